@@ -1,0 +1,28 @@
+# The README's two commands: `make quickstart` (main job) and `make test`.
+# Both run scripts/setup.sh first, which is idempotent and cheap once done.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Heavy first-use work (the tiny model, DeepSpeed op builds) is cached here and reused.
+export SLUICE_CACHE_DIR ?= $(CURDIR)/.cache/sluice
+export TORCH_EXTENSIONS_DIR ?= $(SLUICE_CACHE_DIR)/torch_extensions
+export WANDB_MODE ?= offline
+
+.PHONY: setup quickstart test test-unit test-gpu dry-run
+
+setup:
+	SLUICE_VENV=$(VENV) scripts/setup.sh
+
+quickstart: setup
+	$(PY) -m trainer.main recipe=quickstart.yaml
+
+test: setup
+	$(PY) -m pytest tests/unit tests/integration -q
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q
+
+dry-run: setup
+	$(PY) -m trainer.main recipe=quickstart.yaml --dry-run
+
+test-gpu: setup
+	$(PY) -m pytest tests/gpu -q

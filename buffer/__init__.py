@@ -1,0 +1,1 @@
+"""Replay buffer: terminal groups, staleness policy, batching."""

@@ -1,0 +1,1 @@
+"""Environments: sandbox backends and pool, tools, task formats."""

@@ -1,0 +1,1 @@
+"""Launch tooling: the tiny local model, multi-node launch helpers."""

@@ -1,0 +1,1 @@
+"""Rewards: rule verifiers, hidden-test grading, generative judge."""

@@ -1,0 +1,1 @@
+"""Rollout: core types, vLLM engines, router, agent loops, token continuity, workers."""

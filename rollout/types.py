@@ -1,0 +1,237 @@
+"""Core data passed between stages: Task -> Trajectory (with Turns) -> Group.
+
+This module is the bottom layer with `trainer.config`: every other package may import
+it and it imports nothing from the project. Per-token arrays are numpy arrays that share
+one length, checked on construction.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import numpy as np
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+NO_VERSION = -1  # version tag of tokens the model did not generate (mask 0)
+
+
+class TerminationReason(str, enum.Enum):
+    """Why a trajectory ended; every trajectory has exactly one."""
+
+    FINISHED = "finished"  # the model stopped (no tool call / submitted)
+    MAX_TURNS = "max_turns"  # agent.max_turns reached
+    MAX_TOKENS = "max_tokens"  # agent.max_response_tokens reached
+    CONTEXT_FULL = "context_full"  # the next prompt would exceed model.max_context_tokens
+    TIMEOUT = "timeout"  # agent.trajectory_timeout_s reached
+    ERROR = "error"  # an exception inside the trajectory; the message is kept
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: Mapping[str, Any]
+
+    def to_template(self) -> dict[str, Any]:
+        """The OpenAI-style shape chat templates expect."""
+        return {"type": "function", "function": {"name": self.name, "arguments": dict(self.arguments)}}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: Role
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    name: str | None = None  # tool name, on role "tool"
+
+    def __post_init__(self) -> None:
+        if self.role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message role must be system/user/assistant/tool, got {self.role!r}")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+
+    def to_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One problem; a GRPO group runs it G times."""
+
+    id: str
+    messages: tuple[Message, ...]  # the initial conversation (system + user)
+    tools: tuple[str, ...] = ()  # tool names available to the agent
+    answer: str | None = None  # reference answer for rule verifiers
+    agent_loop: str | None = None  # import string overriding agent.loop for this task
+    source_dir: str | None = None  # folder a sandbox workspace is created from
+    image: str | None = None  # container image, for container sandbox backends
+    visible_tests: str | None = None  # folder of tests the agent may run
+    hidden_tests: str | None = None  # folder of grading tests, never inside the agent's sandbox
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("Task.id must be a non-empty string")
+        if not self.messages:
+            raise ValueError(f"task {self.id!r} has no messages")
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One model turn, for metrics and transcripts; token positions index `response_ids`."""
+
+    index: int
+    prompt_tokens: int  # length of the ids sent to the engine
+    response_start: int  # position of this turn's first generated token in response_ids
+    num_generated: int
+    num_observation: int  # tool/template tokens appended after the generation (mask 0)
+    finish_reason: str  # engine's: stop, length, abort
+    version: int  # weight version that produced the first token of the turn
+    cached_prompt_tokens: int = 0  # prefix-cache hits reported by the engine
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    queue_s: float = 0.0  # time waiting at the turn gate or for a sandbox
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+    queue_s: float = 0.0
+    total_s: float = 0.0
+
+
+def _array(values: Any, dtype: Any) -> np.ndarray:
+    arr = np.asarray(values, dtype=dtype)
+    if arr.ndim != 1:
+        raise ValueError(f"per-token arrays are 1-D, got shape {arr.shape}")
+    arr.flags.writeable = False  # trajectories are values: nobody edits them downstream
+    return arr
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """A terminal multi-turn rollout. response_* arrays hold model and environment tokens
+    interleaved; mask 1 marks exactly the tokens the model sampled."""
+
+    task_id: str
+    group_id: str
+    index: int  # position within its group
+    prompt_ids: np.ndarray  # int32, the first prompt as rendered by the chat template
+    response_ids: np.ndarray  # int32
+    response_mask: np.ndarray  # int8, 1 = sampled by the model
+    logprobs: np.ndarray  # float32 behaviour logprobs, 0 where mask is 0
+    versions: np.ndarray  # int32 weight version per token, NO_VERSION where mask is 0
+    termination: TerminationReason
+    turns: tuple[Turn, ...] = ()
+    termination_detail: str = ""  # e.g. the exception message for ERROR
+    reward: float | None = None  # None until the reward loop scores it
+    reward_components: Mapping[str, float] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: inputs (lists or arrays) are normalised once, here
+        for name, dtype in (("prompt_ids", np.int32), ("response_ids", np.int32),
+                            ("response_mask", np.int8), ("logprobs", np.float32),
+                            ("versions", np.int32)):
+            set_(self, name, _array(getattr(self, name), dtype))
+        set_(self, "termination", TerminationReason(self.termination))
+        set_(self, "turns", tuple(self.turns))
+        set_(self, "reward_components", dict(self.reward_components))
+        self._validate()
+
+    def _validate(self) -> None:
+        n = len(self.response_ids)
+        for name in ("response_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"trajectory {self.task_id}/{self.group_id}/{self.index}: {name} "
+                                 f"has {len(getattr(self, name))} entries, response_ids has {n}")
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"trajectory {self.task_id}/{self.index}: empty prompt_ids")
+        model = self.response_mask == 1
+        if not np.all(model | (self.response_mask == 0)):
+            raise ValueError("response_mask holds values other than 0 and 1")
+        if np.any(self.logprobs[~model] != 0.0):
+            raise ValueError("logprobs must be 0 where response_mask is 0")
+        if np.any(self.versions[~model] != NO_VERSION):
+            raise ValueError(f"versions must be {NO_VERSION} where response_mask is 0")
+        if np.any(self.versions[model] < 0):
+            raise ValueError("every model token needs the weight version that produced it")
+        if np.any(self.logprobs[model] > 0.0) or not np.all(np.isfinite(self.logprobs)):
+            raise ValueError("behaviour logprobs must be finite and <= 0")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ValueError(f"reward must be finite, got {self.reward}")
+
+    @property
+    def num_model_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Version of the oldest model token; None if the model produced no token."""
+        model = self.versions[self.response_mask == 1]
+        return int(model.min()) if len(model) else None
+
+    def staleness(self, trainer_version: int) -> int:
+        """Trainer version minus the oldest token version (0 for no model tokens)."""
+        oldest = self.oldest_version
+        return 0 if oldest is None else trainer_version - oldest
+
+    def input_ids(self) -> np.ndarray:
+        """The full training sequence: exactly what the engine saw and produced."""
+        return np.concatenate([self.prompt_ids, self.response_ids])
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly digest for transcripts and logs."""
+        return {"task_id": self.task_id, "group_id": self.group_id, "index": self.index,
+                "termination": self.termination.value, "detail": self.termination_detail,
+                "reward": self.reward, "turns": len(self.turns),
+                "prompt_tokens": len(self.prompt_ids), "response_tokens": len(self.response_ids),
+                "model_tokens": self.num_model_tokens}
+
+    def __repr__(self) -> str:
+        return f"Trajectory({json.dumps(self.summary())})"
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """All G terminal trajectories of one task; the unit the buffer holds and GRPO normalises."""
+
+    task_id: str
+    group_id: str
+    trajectories: tuple[Trajectory, ...]
+
+    def __post_init__(self) -> None:
+        if not self.trajectories:
+            raise ValueError(f"group {self.group_id} has no trajectories")
+        for i, t in enumerate(self.trajectories):
+            if (t.task_id, t.group_id) != (self.task_id, self.group_id):
+                raise ValueError(f"trajectory {i} belongs to {t.task_id}/{t.group_id}, "
+                                 f"not group {self.task_id}/{self.group_id}")
+        if sorted(t.index for t in self.trajectories) != list(range(len(self.trajectories))):
+            raise ValueError(f"group {self.group_id}: trajectory indices must be 0..G-1")
+
+    @property
+    def size(self) -> int:
+        return len(self.trajectories)
+
+    def rewards(self) -> np.ndarray:
+        """float32 rewards_G; raises if a trajectory is not scored yet."""
+        missing = [t.index for t in self.trajectories if t.reward is None]
+        if missing:
+            raise ValueError(f"group {self.group_id}: trajectories {missing} have no reward yet")
+        return np.array([t.reward for t in self.trajectories], dtype=np.float32)
+
+    def oldest_version(self) -> int | None:
+        versions = [v for t in self.trajectories if (v := t.oldest_version) is not None]
+        return min(versions) if versions else None

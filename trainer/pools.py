@@ -1,0 +1,159 @@
+"""Resource pools: the recipe's four Ray placement groups (rollout, train, judge, sandbox).
+
+`plan_pools` is a pure function of the config (used by `--dry-run`, no Ray import);
+`build_pools` places the plan on a live Ray cluster and fails with the missing resources
+named instead of hanging. On a CPU machine the same plan has zero GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainer.config import SluiceConfig
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
+log = logging.getLogger(__name__)
+
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """One pool: `num_bundles` identical bundles of Ray resources, placed with `strategy`."""
+
+    name: str
+    num_bundles: int
+    bundle: tuple[tuple[str, float], ...]  # (resource, amount) pairs of one bundle
+    strategy: Strategy
+    role: str  # what runs in each bundle, for people reading the plan
+    config_keys: tuple[str, ...]  # keys that size this pool, named in errors
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [dict(self.bundle) for _ in range(self.num_bundles)]
+
+    def total(self, resource: str) -> float:
+        return self.num_bundles * dict(self.bundle).get(resource, 0.0)
+
+
+def _bundle(cpus: float, gpus: int, **custom: float) -> tuple[tuple[str, float], ...]:
+    items = [("CPU", float(cpus))]
+    if gpus:
+        items.append(("GPU", float(gpus)))
+    items.extend((k, float(v)) for k, v in custom.items())
+    return tuple(items)
+
+
+def plan_pools(cfg: SluiceConfig) -> tuple[PoolSpec, ...]:
+    """The pools a recipe needs; GPU counts are zero when cluster.device is cpu."""
+    gpu = cfg.cluster.device == "cuda"
+    r, t, e, j = cfg.rollout, cfg.train, cfg.envs, cfg.reward.judge
+    pools = [
+        PoolSpec("rollout", r.num_engines, _bundle(r.cpus_per_engine, r.tp_size if gpu else 0),
+                 "PACK", f"vLLM engine (tp={r.tp_size})",
+                 ("rollout.num_engines", "rollout.tp_size", "rollout.cpus_per_engine")),
+        PoolSpec("train", t.num_ranks, _bundle(t.cpus_per_rank, 1 if gpu else 0),
+                 "PACK", f"DeepSpeed rank (ZeRO-{t.zero_stage})",
+                 ("train.num_ranks", "train.cpus_per_rank")),
+    ]
+    if j.enabled:
+        pools.append(PoolSpec("judge", j.num_engines, _bundle(j.cpus_per_engine, j.tp_size if gpu else 0),
+                              "PACK", f"judge vLLM engine (tp={j.tp_size})",
+                              ("reward.judge.num_engines", "reward.judge.tp_size",
+                               "reward.judge.cpus_per_engine")))
+    pools.append(PoolSpec("sandbox", e.num_sandbox_workers,
+                          _bundle(e.cpus_per_sandbox_worker, 0, **{cfg.cluster.sandbox_resource: 1}),
+                          "SPREAD", f"SandboxWorker (<= {e.sandboxes_per_worker} sandboxes)",
+                          ("envs.num_sandbox_workers", "envs.cpus_per_sandbox_worker")))
+    return tuple(pools)
+
+
+def format_pool_plan(pools: tuple[PoolSpec, ...]) -> str:
+    """A table of the plan, with per-resource totals."""
+    rows = [f"{'pool':<8} {'bundles':>7}  {'each':<28} {'strategy':<8} runs"]
+    totals: dict[str, float] = {}
+    for p in pools:
+        each = ", ".join(f"{k}={v:g}" for k, v in p.bundle)
+        rows.append(f"{p.name:<8} {p.num_bundles:>7}  {each:<28} {p.strategy:<8} {p.role}")
+        for k, _ in p.bundle:
+            totals[k] = totals.get(k, 0.0) + p.total(k)
+    rows.append("total    " + ", ".join(f"{k}={v:g}" for k, v in totals.items()))
+    return "\n".join(rows)
+
+
+class PoolPlacementError(RuntimeError):
+    """The cluster cannot place a pool; the message names the pool and what is missing."""
+
+
+def connect_cluster(cfg: SluiceConfig) -> None:
+    """Join the configured Ray cluster, or start a local one offering the sandbox resource."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    c = cfg.cluster
+    if c.address == "local":
+        ray.init(num_cpus=c.local_num_cpus, num_gpus=c.local_num_gpus,
+                 resources={c.sandbox_resource: c.local_num_sandbox_slots},
+                 include_dashboard=False, log_to_driver=True)
+    else:
+        ray.init(address=c.address)
+
+
+def _shortfall(pool: PoolSpec) -> str:
+    """What the live cluster lacks for `pool`: totals, free amounts, or a big-enough node."""
+    import ray
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    need: dict[str, float] = {k: pool.total(k) for k, _ in pool.bundle}
+    problems = []
+    for k, amount in need.items():
+        if total.get(k, 0.0) < amount:
+            problems.append(f"{k}: needs {amount:g}, the cluster has {total.get(k, 0.0):g} in all")
+        elif free.get(k, 0.0) < amount:
+            problems.append(f"{k}: needs {amount:g}, {free.get(k, 0.0):g} free (the rest is in use)")
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if not problems and not any(all(n.get(k, 0.0) >= v for k, v in pool.bundle) for n in nodes):
+        problems.append(f"no single node offers one whole bundle {dict(pool.bundle)}")
+    if not problems:
+        problems.append("resources exist but could not be packed with strategy " + pool.strategy)
+    return "; ".join(problems)
+
+
+def build_pools(cfg: SluiceConfig, pools: tuple[PoolSpec, ...] | None = None) -> dict[str, "PlacementGroup"]:
+    """Place every pool, waiting at most cluster.pool_ready_timeout_s each.
+
+    On failure every group placed so far is removed (nothing is left reserved) and a
+    PoolPlacementError names the pool, the missing resources and the keys that size it.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pools = plan_pools(cfg) if pools is None else pools
+    placed: dict[str, PlacementGroup] = {}
+    for pool in pools:
+        start = time.monotonic()
+        pg = placement_group(pool.bundles(), strategy=pool.strategy, name=f"sluice-{pool.name}")
+        ready, _ = ray.wait([pg.ready()], timeout=cfg.cluster.pool_ready_timeout_s)
+        if not ready:
+            message = (f"pool {pool.name!r} ({pool.num_bundles} x {dict(pool.bundle)}) was not "
+                       f"placed within cluster.pool_ready_timeout_s="
+                       f"{cfg.cluster.pool_ready_timeout_s:g}: {_shortfall(pool)}. Add nodes "
+                       f"with these resources or lower {', '.join(pool.config_keys)}.")
+            for group in [pg, *placed.values()]:
+                remove_placement_group(group)
+            raise PoolPlacementError(message)
+        placed[pool.name] = pg
+        log.info("pool %s placed in %.2fs", pool.name, time.monotonic() - start)
+    return placed
+
+
+def release_pools(placed: dict[str, Any]) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for pg in placed.values():
+        remove_placement_group(pg)

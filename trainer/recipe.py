@@ -1,0 +1,136 @@
+"""Recipe loading: YAML recipe + dotted overrides -> a checked `SluiceConfig`.
+
+OmegaConf does the merge (and `${...}` interpolation); the typed build here rejects
+unknown keys with the closest valid key, names the key and expected type on a type
+error, and leaves cross-field checks to `trainer.config.check_config`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from trainer.config import SluiceConfig, iter_fields
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+class ConfigError(ValueError):
+    """A recipe or override the schema rejects; the message says what to change."""
+
+
+def resolve_recipe_path(recipe: str) -> Path:
+    """`recipe=` accepts a path, or a file name inside the project's recipes/ folder."""
+    given = Path(recipe).expanduser()
+    for candidate in (given, RECIPES_DIR / recipe):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.name for p in RECIPES_DIR.glob("*.yaml"))
+    raise ConfigError(f"recipe {recipe!r} not found as a path or in {RECIPES_DIR}; "
+                      f"known recipes: {', '.join(known) or 'none'}")
+
+
+def load_config(recipe: str | None, overrides: list[str] | tuple[str, ...] = ()) -> SluiceConfig:
+    """Merge a recipe file (or the schema defaults when None) with `a.b=c` overrides."""
+    from omegaconf import OmegaConf  # deferred: only config loading needs it
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        layers = [OmegaConf.load(resolve_recipe_path(recipe))] if recipe else []
+        for item in overrides:
+            if "=" not in item or item.startswith("="):
+                raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True) if layers else {}
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot read the recipe: {exc}") from exc
+    if merged is None:
+        merged = {}
+    if not isinstance(merged, dict):
+        raise ConfigError(f"a recipe must be a mapping of sections, got {type(merged).__name__}")
+    return build_config(merged)
+
+
+def build_config(data: dict[str, Any]) -> SluiceConfig:
+    """Typed build of the whole schema from plain data; raises ConfigError/ValueError."""
+    all_keys = [key for key, _ in iter_fields(SluiceConfig)]
+    return _build(SluiceConfig, data, "", all_keys)
+
+
+def _build(cls: type, data: Any, prefix: str, all_keys: list[str]) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping of keys, "
+                          f"got {type(data).__name__} {data!r}")
+    known = {f.name: f for f in fields(cls)}
+    for name in data:
+        if name not in known:
+            raise ConfigError(_unknown_key_message(prefix, name, list(known), all_keys))
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        key, hint = f"{prefix}{name}", hints[name]
+        if is_dataclass(hint):
+            values[name] = _build(hint, value, key + ".", all_keys)
+        else:
+            values[name] = _coerce(key, hint, value)
+    return cls(**values)
+
+
+def _unknown_key_message(prefix: str, name: str, siblings: list[str], all_keys: list[str]) -> str:
+    """Suggest, in order: a near sibling, the same leaf in another section, any near key."""
+    key = prefix + name
+    near = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    elsewhere = [k for k in all_keys if k.rsplit(".", 1)[-1] == name]
+    if near:
+        suggestion = prefix + near[0]
+    elif elsewhere:
+        suggestion = elsewhere[0]
+    else:
+        anywhere = difflib.get_close_matches(key, all_keys, n=1, cutoff=0.6)
+        suggestion = anywhere[0] if anywhere else ""
+    hint = f"; did you mean {suggestion!r}?" if suggestion else ""
+    return f"unknown config key {key!r}{hint} (python -m trainer.main --help lists every key)"
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    """Check `value` against `hint`; ints are accepted where floats are expected."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(hint):
+            try:
+                return _coerce(key, arm, value)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(hint) and type(value) is type(typing.get_args(hint)[0]):
+            return value
+    elif hint is type(None):
+        if value is None:
+            return None
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"schema type {hint!r} of {key} is not supported by the recipe loader")
+    raise ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")
