@@ -1,0 +1,80 @@
+"""GRPO advantages: each trajectory's reward normalised within its group of G rollouts of
+one task, then spread over the trajectory's model tokens. Plain torch; no Ray, no engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from trainer.config import LossConfig
+
+ZERO_VARIANCE_TOL = 1e-8  # rewards this close count as equal: such a group carries no signal
+
+
+def _check_group(rewards_G: torch.Tensor) -> None:
+    if rewards_G.ndim != 1:
+        raise ValueError(f"rewards_G must be 1-D (one reward per trajectory of a group), "
+                         f"got shape {tuple(rewards_G.shape)}")
+    if rewards_G.numel() < 2:
+        raise ValueError(f"GRPO needs >= 2 trajectories per group to form a baseline, got "
+                         f"{rewards_G.numel()}; set train.group_size >= 2")
+
+
+def compute_grpo_advantages(rewards_G: torch.Tensor, std_norm: bool, leave_one_out: bool,
+                            eps: float) -> torch.Tensor:
+    """Advantage of each trajectory of one group.
+
+    Baseline: the group mean, so A_i = r_i - mean(r). With `leave_one_out` the baseline of
+    i is the mean of the other G-1 rewards: A_i = r_i - mean_{j!=i} r_j, which equals
+    G/(G-1) * (r_i - mean(r)).
+    With `std_norm` the centred value (plain or leave-one-out) is divided by
+    (std(r) + eps), where std is the population std of all G rewards (unbiased=False,
+    i.e. divided by G, not G-1). So leave_one_out + std_norm gives
+    (r_i - mean_{j!=i} r_j) / (std(r) + eps); no leave-one-out std is used.
+    A zero-variance group gets all-zero advantages either way.
+    """
+    _check_group(rewards_G)
+    r_G = rewards_G if rewards_G.is_floating_point() else rewards_G.to(torch.float32)
+    num = r_G.numel()
+    centred_G = r_G - r_G.mean()
+    if leave_one_out:
+        centred_G = centred_G * (num / (num - 1))
+    if std_norm:
+        centred_G = centred_G / (r_G.std(correction=0) + eps)
+    return centred_G
+
+
+def compute_batch_advantages(rewards_per_group: Sequence[torch.Tensor],
+                             cfg: LossConfig) -> torch.Tensor:
+    """Advantages of several groups, normalised per group, concatenated in order (shape B)."""
+    if not rewards_per_group:
+        raise ValueError("no groups given; a training step needs train.groups_per_step >= 1")
+    return torch.cat([compute_grpo_advantages(r_G, cfg.adv_std_norm, cfg.adv_leave_one_out,
+                                              cfg.adv_eps) for r_G in rewards_per_group])
+
+
+def is_zero_variance(rewards_G: torch.Tensor | np.ndarray) -> bool:
+    """True when all rewards of the group are equal (within 1e-8): every advantage is 0,
+    so the group only costs compute (see buffer.filter_zero_variance)."""
+    r_G = torch.as_tensor(rewards_G)
+    if r_G.ndim != 1 or r_G.numel() == 0:
+        raise ValueError(f"rewards_G must be a non-empty 1-D array, got shape {tuple(r_G.shape)}")
+    return bool((r_G.max() - r_G.min()).abs() <= ZERO_VARIANCE_TOL)
+
+
+def broadcast_to_tokens(advantages_B: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
+    """The trajectory-level advantage on every model token (mask 1), 0 elsewhere (shape BT).
+
+    Environment tokens (tool output, template glue) get 0 so they can never carry signal,
+    even if a caller forgets to mask the loss.
+    """
+    if advantages_B.ndim != 1 or response_mask_BT.ndim != 2:
+        raise ValueError(f"expected advantages_B 1-D and response_mask_BT 2-D, got shapes "
+                         f"{tuple(advantages_B.shape)} and {tuple(response_mask_BT.shape)}")
+    if advantages_B.shape[0] != response_mask_BT.shape[0]:
+        raise ValueError(f"{advantages_B.shape[0]} advantages for {response_mask_BT.shape[0]} "
+                         f"sequences; pass one advantage per row of response_mask_BT")
+    adv_BT = advantages_B[:, None].expand(response_mask_BT.shape)
+    return torch.where(response_mask_BT != 0, adv_BT, torch.zeros_like(adv_BT))
