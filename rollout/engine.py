@@ -207,6 +207,9 @@ class VLLMEngine:
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()
 
+    async def get_stats(self) -> EngineStats:
+        return self.stats()
+
     def stats(self) -> EngineStats:
         """Read vLLM's Prometheus metrics (process-wide: one engine per process)."""
         from vllm.v1.metrics.reader import get_metrics_snapshot

@@ -1,0 +1,1 @@
+"""Tools agents call: the Tool protocol and the built-in tools."""

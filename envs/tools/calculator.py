@@ -1,0 +1,70 @@
+"""`calculator`: evaluates an arithmetic expression in-process, without a sandbox.
+
+Only numbers, + - * / // % ** and parentheses are accepted (parsed with `ast`, never
+`eval`), with bounded exponents so a policy cannot stall the worker with 9**9**9.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+from envs.tools.base import ToolResult, function_schema
+from rollout.types import Task
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPONENT = 64
+MAX_EXPRESSION_CHARS = 200
+
+
+def evaluate_arithmetic(expression: str) -> int | float:
+    """Value of an arithmetic expression; ValueError says what is not allowed."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an arithmetic expression: {exc.msg}") from None
+    return _eval(tree.body)
+
+
+def _eval(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_eval(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponent above {MAX_EXPONENT}")
+        try:
+            return _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ValueError("division by zero") from None
+    raise ValueError(f"{type(node).__name__} is not allowed; use numbers, + - * / // % ** and ()")
+
+
+class CalculatorTool:
+    name = "calculator"
+    schema = function_schema("calculator", "Evaluate an arithmetic expression, e.g. (3 + 4) * 5.",
+                             {"expression": {"type": "string"}}, required=("expression",))
+
+    async def create(self, task: Task) -> None:
+        pass
+
+    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+        try:
+            return ToolResult(str(evaluate_arithmetic(str(arguments["expression"]))))
+        except ValueError as exc:
+            return ToolResult(f"error: {exc}", is_error=True)
+
+    async def calc_reward(self) -> float | None:
+        return None
+
+    async def release(self) -> None:
+        pass

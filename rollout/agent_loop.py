@@ -1,0 +1,215 @@
+"""The AgentLoop API and the two built-in loops.
+
+An AgentLoop turns one Task into one terminal Trajectory: `async run(task, ctx)`. The
+context gives it everything it may use: `ctx.start(prompt_ids)` for the recorder,
+`ctx.generate()` (turn gate + sticky router + budgets), the continuity builder
+(`ctx.chat`), the tokenizer, the trajectory's tools and `ctx.run_tools()`. Users write
+their own loops and name them by import string `package.module:Class` in a recipe
+(`agent.loop`) or per task (`Task.agent_loop`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from envs.tools.base import Tool
+from rollout.chat import ContinuityBuilder
+from rollout.engine import Sampling, TokenOutput
+from rollout.gate import TurnGate
+from rollout.recorder import Budgets, TrajectoryRecorder
+from rollout.router import Router
+from rollout.tool_parser import ParsedTurn, parse_tool_calls, validate_arguments
+from rollout.types import Message, Task, TerminationReason, ToolCall, Trajectory
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSettings:
+    """The per-trajectory knobs of agent.* and rollout.* an agent loop reads."""
+
+    budgets: Budgets
+    max_turns: int
+    max_tool_calls_per_turn: int
+    tool_timeout_s: float
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    messages: tuple[Message, ...]  # one tool message per call or rejected call, in order
+    num_calls: int
+    num_errors: int  # malformed calls, unknown tools, bad arguments, exceptions, timeouts
+    num_timeouts: int
+    ends_trajectory: bool
+    seconds: float
+
+
+@dataclass(slots=True)
+class AgentContext:
+    task: Task
+    group_id: str
+    index: int
+    settings: LoopSettings
+    chat: ContinuityBuilder
+    tokenizer: Any  # a transformers tokenizer; only `decode` is used by the built-ins
+    tools: Mapping[str, Tool]
+    router: Router
+    gate: TurnGate
+    recorder: TrajectoryRecorder | None = None
+    _num_requests: int = field(default=0)
+
+    @property
+    def session_id(self) -> str:
+        return f"{self.group_id}/{self.index}"
+
+    @property
+    def tool_schemas(self) -> list[Mapping[str, Any]]:
+        return [t.schema for t in self.tools.values()]
+
+    def start(self, prompt_ids: Sequence[int]) -> TrajectoryRecorder:
+        if self.recorder is not None:
+            raise RuntimeError("ctx.start() was already called for this trajectory")
+        self.recorder = TrajectoryRecorder(self.task.id, self.group_id, self.index, prompt_ids,
+                                           self.settings.budgets)
+        return self.recorder
+
+    async def generate(self, max_new_tokens: int | None = None) -> TokenOutput:
+        """One model turn on the recorder's context; appends the generation to it."""
+        rec = self.recorder
+        if rec is None:
+            raise RuntimeError("call ctx.start(prompt_ids) before ctx.generate()")
+        room = rec.room_for_generation()
+        s = self.settings
+        sampling = Sampling(max_new_tokens=min(room, max_new_tokens or room),
+                            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            stop_token_ids=(self.chat.end_of_turn_id,))
+        async with self.gate.turn() as queue_s:
+            start = time.monotonic()
+            self._num_requests += 1
+            routed = await self.router.generate(self.session_id,
+                                                f"{self.session_id}#{self._num_requests}",
+                                                rec.context_ids, sampling)
+        rec.add_generation(routed.output, queue_s, time.monotonic() - start)
+        return routed.output
+
+    def text_of(self, out: TokenOutput) -> str:
+        return self.tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=False)
+
+    async def run_tools(self, parsed: ParsedTurn) -> ToolOutcome:
+        """Run the turn's valid calls concurrently; every failure becomes an observation."""
+        start = time.monotonic()
+        results = await asyncio.gather(*(self._run_one(c) for c in parsed.calls))
+        messages = [m for m, _, _ in results]
+        messages += [Message("tool", e.message, name="error") for e in parsed.errors]
+        return ToolOutcome(
+            messages=tuple(messages), num_calls=len(parsed.calls) + len(parsed.errors),
+            num_errors=sum(1 for _, err, _ in results if err) + len(parsed.errors),
+            num_timeouts=sum(1 for m, _, _ in results if m.content.startswith("Timeout:")),
+            ends_trajectory=any(ends for _, _, ends in results), seconds=time.monotonic() - start)
+
+    async def _run_one(self, call: ToolCall) -> tuple[Message, bool, bool]:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            return Message("tool", f"Error: unknown tool {call.name!r}; available: {known}.",
+                           name=call.name), True, False
+        problem = validate_arguments(call, tool.schema)
+        if problem:
+            return Message("tool", f"Error: {problem}", name=call.name), True, False
+        timeout_s = self.settings.tool_timeout_s
+        try:
+            result = await asyncio.wait_for(tool.execute(call.arguments), timeout_s)
+        except TimeoutError:
+            return Message("tool", f"Timeout: {call.name} did not finish within {timeout_s:g} s.",
+                           name=call.name), True, False
+        except Exception as exc:  # a failing tool is an observation, never a crashed worker
+            return Message("tool", f"Error: {call.name} failed: {type(exc).__name__}: {exc}",
+                           name=call.name), True, False
+        return Message("tool", result.text, name=call.name), result.is_error, result.ends_trajectory
+
+
+@runtime_checkable
+class AgentLoop(Protocol):
+    async def run(self, task: Task, ctx: AgentContext) -> Trajectory: ...
+
+
+class SingleTurnLoop:
+    """One generation from the task's messages; no tools."""
+
+    async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
+        rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, None))
+        if rec.room_for_generation() <= 0:
+            return rec.finish(TerminationReason.CONTEXT_FULL, "the prompt fills the context")
+        out = await ctx.generate()
+        if out.finish_reason == "abort":
+            return rec.finish(TerminationReason.ERROR, "generation was aborted")
+        if out.finish_reason == "length":
+            return rec.finish(TerminationReason.MAX_TOKENS)
+        return rec.finish(TerminationReason.FINISHED)
+
+
+class ToolAgentLoop:
+    """Generate -> parse Hermes tool calls -> run tools -> append observations, until the
+    model answers without a tool call, a tool ends the trajectory, or a budget runs out.
+
+    A turn that ends by length without a tool call ends the trajectory with max_tokens:
+    the model ran out of budget mid-answer (or never emitted its stop token).
+    """
+
+    async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
+        rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
+        for _ in range(ctx.settings.max_turns):
+            if rec.room_for_generation() <= 0:
+                full = rec.budgets.max_context_tokens - len(rec.context_ids) <= 0
+                return rec.finish(TerminationReason.CONTEXT_FULL if full else TerminationReason.MAX_TOKENS)
+            out = await ctx.generate()
+            if out.finish_reason == "abort":
+                return rec.finish(TerminationReason.ERROR, "generation was aborted")
+            parsed = parse_tool_calls(ctx.text_of(out), ctx.settings.max_tool_calls_per_turn)
+            if not parsed.calls and not parsed.errors:
+                reason = TerminationReason.MAX_TOKENS if out.finish_reason == "length" else TerminationReason.FINISHED
+                return rec.finish(reason)
+            outcome = await ctx.run_tools(parsed)
+            ended_with_eos = len(out.token_ids) > 0 and int(out.token_ids[-1]) == ctx.chat.end_of_turn_id
+            obs = ctx.chat.observation_ids(outcome.messages, ended_with_eos)
+            if (stop := rec.fits_observation(len(obs))) is not None:
+                return rec.finish(stop, "the tool observation does not fit")
+            rec.add_observation(obs, outcome.num_calls, outcome.num_errors, outcome.seconds)
+            if outcome.ends_trajectory:
+                return rec.finish(TerminationReason.FINISHED)
+        return rec.finish(TerminationReason.MAX_TURNS)
+
+
+BUILTIN_LOOPS: dict[str, type] = {
+    "rollout.agent_loop:SingleTurnLoop": SingleTurnLoop,
+    "rollout.agent_loop:ToolAgentLoop": ToolAgentLoop,
+}
+
+
+def load_agent_loop(import_string: str) -> type:
+    """Resolve `package.module:Class` to an AgentLoop class; ValueError says what is wrong."""
+    if import_string in BUILTIN_LOOPS:
+        return BUILTIN_LOOPS[import_string]
+    module_name, sep, attr = import_string.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"agent loop {import_string!r} is not an import string "
+                         f"'package.module:Class'; built-ins: {', '.join(BUILTIN_LOOPS)}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"agent loop {import_string!r}: cannot import {module_name!r} ({exc})") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"agent loop {import_string!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, type) or not callable(getattr(obj, "run", None)) \
+            or not asyncio.iscoroutinefunction(obj.run):
+        raise ValueError(f"agent loop {import_string!r} must be a class with "
+                         f"`async def run(self, task, ctx) -> Trajectory`")
+    return obj

@@ -1,0 +1,116 @@
+"""Builds one Trajectory turn by turn: appends generated ids (mask 1, with logprobs and
+versions) and observation ids (mask 0), tracks the token budgets, and freezes the result
+with exactly one termination reason.
+
+The recorder is owned by the agent context, not by the loop, so a trajectory that times
+out or raises still yields everything it produced up to that point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollout.engine import TokenOutput
+from rollout.types import NO_VERSION, TerminationReason, Timings, Trajectory, Turn
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    max_context_tokens: int  # prompt + response
+    max_response_tokens: int  # response only (model + observation tokens)
+    max_new_tokens_per_turn: int
+
+
+class TrajectoryRecorder:
+    """Appends to one trajectory. Chunks are numpy arrays; the running context is cached
+    so each turn costs one concatenation of the new chunk, not of the whole history."""
+
+    def __init__(self, task_id: str, group_id: str, index: int, prompt_ids: list[int] | np.ndarray,
+                 budgets: Budgets) -> None:
+        self.task_id, self.group_id, self.index = task_id, group_id, index
+        self.budgets = budgets
+        self.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
+        self._ids: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._logprobs: list[np.ndarray] = []
+        self._versions: list[np.ndarray] = []
+        self._context = self.prompt_ids
+        self.turns: list[Turn] = []
+        self.timings = {"generate_s": 0.0, "tool_s": 0.0, "queue_s": 0.0}
+        self._start = time.monotonic()
+        self.result: Trajectory | None = None
+        self.sent_prefix_lengths: list[int] = []  # length of each prompt sent (continuity checks)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self._context) - len(self.prompt_ids)
+
+    @property
+    def context_ids(self) -> np.ndarray:
+        """Everything so far: what the next generate call sends."""
+        return self._context
+
+    def room_for_generation(self) -> int:
+        """Most tokens the next turn may generate within all three budgets."""
+        b = self.budgets
+        return min(b.max_new_tokens_per_turn, b.max_response_tokens - self.num_response_tokens,
+                   b.max_context_tokens - len(self._context))
+
+    def _append(self, ids: np.ndarray, mask: int, logprobs: np.ndarray | None,
+                versions: np.ndarray | None) -> None:
+        n = len(ids)
+        self._ids.append(ids.astype(np.int32, copy=False))
+        self._mask.append(np.full(n, mask, dtype=np.int8))
+        self._logprobs.append(logprobs if logprobs is not None else np.zeros(n, np.float32))
+        self._versions.append(versions if versions is not None else np.full(n, NO_VERSION, np.int32))
+        self._context = np.concatenate([self._context, self._ids[-1]])
+
+    def add_generation(self, out: TokenOutput, queue_s: float, generate_s: float) -> None:
+        self.sent_prefix_lengths.append(len(self._context))
+        start = self.num_response_tokens
+        self._append(out.token_ids, 1, out.logprobs, out.versions)
+        self.timings["queue_s"] += queue_s
+        self.timings["generate_s"] += generate_s
+        version = int(out.versions[0]) if len(out.versions) else NO_VERSION
+        self.turns.append(Turn(index=len(self.turns), prompt_tokens=out.num_prompt_tokens,
+                               response_start=start, num_generated=len(out.token_ids),
+                               num_observation=0, finish_reason=out.finish_reason,
+                               version=version, cached_prompt_tokens=out.cached_prompt_tokens,
+                               generate_s=generate_s, queue_s=queue_s))
+
+    def fits_observation(self, num_tokens: int) -> TerminationReason | None:
+        """None if `num_tokens` more fit; otherwise the reason the trajectory must end."""
+        if len(self._context) + num_tokens >= self.budgets.max_context_tokens:
+            return TerminationReason.CONTEXT_FULL  # the engine could not take the next prompt
+        if self.num_response_tokens + num_tokens >= self.budgets.max_response_tokens:
+            return TerminationReason.MAX_TOKENS
+        return None
+
+    def add_observation(self, ids: list[int] | np.ndarray, num_tool_calls: int,
+                        num_tool_errors: int, tool_s: float) -> None:
+        """Tool results and template glue after the last generation (mask 0)."""
+        if not self.turns:
+            raise RuntimeError("an observation must follow a generation")
+        arr = np.asarray(ids, dtype=np.int32)
+        self._append(arr, 0, None, None)
+        self.timings["tool_s"] += tool_s
+        last = self.turns[-1]
+        self.turns[-1] = Turn(last.index, last.prompt_tokens, last.response_start,
+                              last.num_generated, len(arr), last.finish_reason, last.version,
+                              last.cached_prompt_tokens, num_tool_calls, num_tool_errors,
+                              last.generate_s, tool_s, last.queue_s)
+
+    def finish(self, reason: TerminationReason, detail: str = "") -> Trajectory:
+        """Freeze what was recorded into a Trajectory ending with `reason`."""
+        concat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+        self.result = Trajectory(
+            task_id=self.task_id, group_id=self.group_id, index=self.index,
+            prompt_ids=self.prompt_ids, response_ids=concat(self._ids, np.int32),
+            response_mask=concat(self._mask, np.int8), logprobs=concat(self._logprobs, np.float32),
+            versions=concat(self._versions, np.int32), termination=reason,
+            turns=tuple(self.turns), termination_detail=detail,
+            timings=Timings(total_s=time.monotonic() - self._start, **self.timings))
+        return self.result

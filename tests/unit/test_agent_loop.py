@@ -1,0 +1,242 @@
+"""Agent loops and the worker against a scripted stand-in engine (unit level): tool calls,
+error observations, budgets, termination reasons, continuity, and failure containment.
+The real vLLM engine runs the same loops in tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+
+from envs.tools.base import ToolResult, function_schema
+from envs.tools.calculator import CalculatorTool
+from rollout.agent_loop import LoopSettings, ToolAgentLoop, load_agent_loop
+from rollout.chat import build_continuity_builder, check_continuity
+from rollout.engine import TokenOutput
+from rollout.recorder import Budgets
+from rollout.router import Router
+from rollout.types import Message, Task, TerminationReason, Trajectory
+from rollout.worker import AgentLoopWorker
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from launch.tiny_model import ensure_tiny_model
+
+    return AutoTokenizer.from_pretrained(ensure_tiny_model())
+
+
+class ScriptedEngine:
+    """Stand-in engine: replies to each session's k-th turn with script[k] (cycling), plus the stop
+    token unless the script entry starts with 'LENGTH:' (a cut-off generation)."""
+
+    def __init__(self, tokenizer, script: list[str], delay_s: float = 0.0) -> None:
+        self.tokenizer, self.script, self.delay_s = tokenizer, script, delay_s
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.prompts: dict[str, list[np.ndarray]] = {}
+        self.version = 0
+        self.n = 0
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        session = request_id.split("#")[0]
+        self.prompts.setdefault(session, []).append(np.array(prompt_ids))
+        text = self.script[(len(self.prompts[session]) - 1) % len(self.script)]
+        self.n += 1
+        await asyncio.sleep(self.delay_s)
+        cut = text.startswith("LENGTH:")
+        ids = self.tokenizer.encode(text.removeprefix("LENGTH:"), add_special_tokens=False)
+        ids = ids[:sampling.max_new_tokens] if cut else ids + [self.eos]
+        if len(ids) > sampling.max_new_tokens:
+            ids, cut = ids[:sampling.max_new_tokens], True
+        n = len(ids)
+        return TokenOutput(np.array(ids, np.int32), np.full(n, -0.25, np.float32),
+                           np.full(n, self.version, np.int32), "length" if cut else "stop",
+                           len(prompt_ids), 0)
+
+
+class EchoTool:
+    name = "echo"
+    schema = function_schema("echo", "Repeat text.", {"text": {"type": "string"}}, ("text",))
+
+    def __init__(self) -> None:
+        self.released = False
+
+    async def create(self, task): pass
+
+    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+        if arguments["text"] == "boom":
+            raise RuntimeError("echo exploded")
+        if arguments["text"] == "slow":
+            await asyncio.sleep(5)
+        if arguments["text"] == "submit":
+            return ToolResult("submitted", ends_trajectory=True)
+        return ToolResult(arguments["text"])
+
+    async def calc_reward(self): return None
+
+    async def release(self): self.released = True
+
+
+def call(name: str, **args) -> str:
+    import json
+
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
+
+
+TASK = Task("t0", (Message("system", "Use tools."), Message("user", "Compute 2+3.")),
+            tools=("echo", "calculator"))
+
+
+def make_worker(tokenizer, script, *, max_turns=4, max_response_tokens=600, max_context=1024,
+                tool_timeout_s=0.5, traj_timeout_s=10.0, default_loop="rollout.agent_loop:ToolAgentLoop",
+                engine_delay_s=0.0):
+    engine = ScriptedEngine(tokenizer, script, engine_delay_s)
+    settings = LoopSettings(budgets=Budgets(max_context, max_response_tokens, 160), max_turns=max_turns,
+                            max_tool_calls_per_turn=2, tool_timeout_s=tool_timeout_s)
+    worker = AgentLoopWorker(default_loop=default_loop, settings=settings,
+                             chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
+                             router=Router({"e0": engine}),
+                             tool_factories={"echo": EchoTool, "calculator": CalculatorTool},
+                             trajectory_timeout_s=traj_timeout_s)
+    return worker, engine
+
+
+def assert_continuity(tokenizer, traj: Trajectory, engine: ScriptedEngine):
+    full = traj.input_ids()
+    for sent in engine.prompts[f"{traj.group_id}/{traj.index}"]:
+        assert np.array_equal(full[:len(sent)], sent), "a prompt sent to the engine is not a prefix"
+    model = traj.response_mask == 1
+    assert np.all(traj.logprobs[model] == -0.25) and np.all(traj.logprobs[~model] == 0)
+    assert sum(t.num_generated for t in traj.turns) == int(model.sum())
+
+
+async def test_tool_calls_run_and_observations_are_appended(tokenizer):
+    script = [call("calculator", expression="2+3"), "The answer is 5."]
+    worker, engine = make_worker(tokenizer, script)
+    group = await worker.run_group(TASK, "g0", 3)
+    for traj in group.trajectories:
+        assert traj.termination is TerminationReason.FINISHED
+        assert len(traj.turns) == 2 and traj.turns[0].num_tool_calls == 1
+        text = tokenizer.decode(traj.response_ids.tolist())
+        assert "<tool_response>\n5\n</tool_response>" in text
+        assert_continuity(tokenizer, traj, engine)
+    # the incremental ids equal a full re-render of the conversation
+    msgs = [*TASK.messages,
+            Message("assistant", "", tool_calls=(__import__("rollout.types").types.ToolCall(
+                "calculator", {"expression": "2+3"}),)),
+            Message("tool", "5", name="calculator"), Message("assistant", "The answer is 5.")]
+    schemas = [EchoTool.schema, CalculatorTool.schema]
+    assert check_continuity(tokenizer, msgs, schemas, group.trajectories[0].input_ids().tolist()) is None
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("<tool_call>\n{not json}\n</tool_call>", "Tool call 1"),
+    (call("nope", x=1), "unknown tool 'nope'"),
+    (call("echo", text=3), "argument 'text' must be string"),
+    (call("echo", text="boom"), "echo failed: RuntimeError: echo exploded"),
+    (call("echo", text="slow"), "Timeout: echo did not finish within 0.5 s"),
+    (call("echo", text="a") + call("echo", text="b") + call("echo", text="c"), "at most 2"),
+])
+async def test_bad_calls_and_failing_tools_become_observations(tokenizer, reply, expected):
+    worker, engine = make_worker(tokenizer, [reply, "done"])
+    traj = await worker.run_trajectory(TASK, "g", 0)
+    assert traj.termination is TerminationReason.FINISHED
+    assert traj.turns[0].num_tool_errors >= 1
+    assert expected in tokenizer.decode(traj.response_ids.tolist())
+    assert worker.stats().num_tool_errors >= 1
+    assert_continuity(tokenizer, traj, engine)
+
+
+async def test_budgets_end_trajectories_with_the_right_reason(tokenizer):
+    looping = [call("echo", text="again")]
+    worker, _ = make_worker(tokenizer, looping, max_turns=3)
+    assert (await worker.run_trajectory(TASK, "g", 0)).termination is TerminationReason.MAX_TURNS
+    worker, _ = make_worker(tokenizer, looping, max_turns=50, max_response_tokens=200)
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.termination is TerminationReason.MAX_TOKENS and len(t.response_ids) <= 200
+    prompt_len = len(build_continuity_builder(tokenizer, "tiny").initial_prompt_ids(
+        TASK.messages, [EchoTool.schema, CalculatorTool.schema]))
+    worker, engine = make_worker(tokenizer, looping, max_turns=50, max_response_tokens=900,
+                                 max_context=prompt_len + 150)
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.termination is TerminationReason.CONTEXT_FULL
+    assert all(len(p) < prompt_len + 150 for p in engine.prompts["g/0"])  # never an over-long prompt
+    worker, _ = make_worker(tokenizer, ["LENGTH:" + "blah " * 200])  # never emits its stop token
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.termination is TerminationReason.MAX_TOKENS and t.turns[0].finish_reason == "length"
+
+
+async def test_submit_ends_the_trajectory(tokenizer):
+    worker, _ = make_worker(tokenizer, [call("echo", text="submit"), "never reached"])
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.termination is TerminationReason.FINISHED and len(t.turns) == 1
+
+
+async def test_garbage_output_finishes_without_crashing(tokenizer):
+    garbage = "\x00\ufffd<tool_call><tool_call>}{ ]] <|im_start|> </tool_call> \U0001F600 ``` <tool_response>"
+    worker, engine = make_worker(tokenizer, [garbage, "ok"])
+    group = await worker.run_group(TASK, "g", 4)
+    assert all(t.termination in (TerminationReason.FINISHED, TerminationReason.MAX_TURNS)
+               for t in group.trajectories)
+
+
+async def test_timeout_keeps_the_partial_trajectory(tokenizer):
+    worker, _ = make_worker(tokenizer, [call("echo", text="x")], max_turns=100,
+                            traj_timeout_s=0.3, engine_delay_s=0.05)
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.termination is TerminationReason.TIMEOUT and "trajectory_timeout_s" in t.termination_detail
+    assert len(t.turns) >= 1 and t.num_model_tokens > 0
+
+
+class ExplodingLoop:
+    """A user loop defined outside the repo that fails after one turn."""
+
+    async def run(self, task, ctx):
+        ctx.start(ctx.chat.initial_prompt_ids(task.messages, None))
+        await ctx.generate()
+        raise KeyError("user bug")
+
+
+class CountingLoop:
+    """A user loop defined outside the repo: a single turn, then finished."""
+
+    async def run(self, task, ctx):
+        rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, None))
+        await ctx.generate()
+        return rec.finish(TerminationReason.FINISHED, "counting loop")
+
+
+async def test_exceptions_become_error_trajectories_and_user_loops_load(tokenizer):
+    worker, _ = make_worker(tokenizer, ["hi"], default_loop=f"{__name__}:ExplodingLoop")
+    group = await worker.run_group(TASK, "g", 2)
+    for t in group.trajectories:
+        assert t.termination is TerminationReason.ERROR and "KeyError: 'user bug'" in t.termination_detail
+        assert t.num_model_tokens > 0  # what it generated before failing is kept
+    per_task = Task("t1", TASK.messages, agent_loop=f"{__name__}:CountingLoop")
+    t = await worker.run_trajectory(per_task, "g2", 0)
+    assert t.termination is TerminationReason.FINISHED and t.termination_detail == "counting loop"
+    assert worker.stats().end_reasons == {"error": 2, "finished": 1}
+
+
+def test_bad_import_strings_fail_with_a_clear_message():
+    with pytest.raises(ValueError, match="not an import string"):
+        load_agent_loop("ToolAgentLoop")
+    with pytest.raises(ValueError, match="cannot import 'no_such_pkg.mod'"):
+        load_agent_loop("no_such_pkg.mod:Loop")
+    with pytest.raises(ValueError, match="has no attribute 'Nope'"):
+        load_agent_loop("rollout.agent_loop:Nope")
+    with pytest.raises(ValueError, match="async def run"):
+        load_agent_loop("rollout.types:Task")
+    assert load_agent_loop("rollout.agent_loop:ToolAgentLoop") is ToolAgentLoop
+
+
+async def test_unknown_task_tools_fail_before_any_trajectory(tokenizer):
+    worker, engine = make_worker(tokenizer, ["x"])
+    with pytest.raises(ValueError, match="unknown tools"):
+        await worker.run_group(Task("t", TASK.messages, tools=("bash",)), "g", 2)
+    assert engine.n == 0
