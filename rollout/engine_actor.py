@@ -1,0 +1,93 @@
+"""Thin Ray shell: one VLLMEngine per actor, placed in a rollout-pool bundle, and the
+EngineClient the router uses to call it. All behaviour lives in rollout.engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollout.engine import EngineSpec, EngineStats, Sampling, TokenOutput, VLLMEngine
+
+
+@ray.remote(max_concurrency=100_000)
+class EngineActor:
+    def __init__(self, spec: EngineSpec) -> None:
+        self.engine = VLLMEngine(spec)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def generate(self, request_id: str, prompt_ids: np.ndarray, sampling: Sampling) -> TokenOutput:
+        return await self.engine.generate(request_id, prompt_ids, sampling)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.engine.abort(request_ids)
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def update_weights(self, version: int, blob: bytes | None = None, path: str | None = None) -> None:
+        await self.engine.update_weights(version, blob=blob, path=path)
+
+    async def checksum(self, names: list[str]) -> str:
+        return await self.engine.checksum(names)
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def get_stats(self) -> EngineStats:
+        return self.engine.stats()
+
+
+class RayEngineClient:
+    """EngineClient over an EngineActor handle. Cancelling a call here does not stop the
+    remote generation; `abort` does."""
+
+    def __init__(self, handle: "ray.actor.ActorHandle") -> None:
+        self.handle = handle
+
+    async def generate(self, request_id: str, prompt_ids: np.ndarray | list[int],
+                       sampling: Sampling) -> TokenOutput:
+        return await self.handle.generate.remote(request_id, np.asarray(prompt_ids, np.int32), sampling)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.handle.abort.remote(request_ids)
+
+    async def pause(self) -> None:
+        await self.handle.pause.remote()
+
+    async def resume(self) -> None:
+        await self.handle.resume.remote()
+
+    async def update_weights(self, version: int, blob: bytes | None = None, path: str | None = None) -> None:
+        await self.handle.update_weights.remote(version, blob, path)
+
+    async def reset_prefix_cache(self) -> None:
+        await self.handle.reset_prefix_cache.remote()
+
+    async def get_stats(self) -> EngineStats:
+        return await self.handle.get_stats.remote()
+
+
+async def start_engines(spec: EngineSpec, num_engines: int,
+                        placement_group: object | None = None) -> dict[str, RayEngineClient]:
+    """Start `num_engines` actors (bundle i of the rollout pool each) and wait until ready."""
+    handles = {}
+    for i in range(num_engines):
+        options: dict[str, object] = {"num_cpus": 0}  # the bundle reserves the resources
+        if placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=i)
+            options["num_gpus"] = placement_group.bundle_specs[i].get("GPU", 0)  # type: ignore[attr-defined]
+        handles[f"engine-{i}"] = EngineActor.options(name=None, **options).remote(spec)
+    await _gather_refs([h.start.remote() for h in handles.values()])
+    return {name: RayEngineClient(h) for name, h in handles.items()}
+
+
+async def _gather_refs(refs: list) -> None:
+    for ref in refs:
+        await ref
