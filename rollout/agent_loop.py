@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from envs.tools.base import Tool
-from rollout.chat import ContinuityBuilder
+from rollout.chat import ContinuityBuilder, check_continuity
 from rollout.engine import Sampling, TokenOutput
 from rollout.gate import TurnGate
 from rollout.recorder import Budgets, TrajectoryRecorder
 from rollout.router import Router
 from rollout.tool_parser import ParsedTurn, parse_tool_calls, validate_arguments
 from rollout.types import Message, Task, TerminationReason, ToolCall, Trajectory
+
+if TYPE_CHECKING:
+    from trainer.config import SluiceConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,16 @@ class LoopSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    continuity_check: bool = False  # debug: compare with a full re-render at the end
+
+    @classmethod
+    def from_config(cls, cfg: "SluiceConfig") -> "LoopSettings":
+        a, r = cfg.agent, cfg.rollout
+        return cls(budgets=Budgets(cfg.model.max_context_tokens, a.max_response_tokens,
+                                   a.max_new_tokens_per_turn),
+                   max_turns=a.max_turns, max_tool_calls_per_turn=a.max_tool_calls_per_turn,
+                   tool_timeout_s=a.tool_timeout_s, temperature=r.temperature, top_p=r.top_p,
+                   top_k=r.top_k, continuity_check=a.continuity_check)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +78,7 @@ class AgentContext:
     router: Router
     gate: TurnGate
     recorder: TrajectoryRecorder | None = None
+    continuity_divergence: str | None = None  # set by the debug continuity check
     _num_requests: int = field(default=0)
 
     @property
@@ -99,7 +116,22 @@ class AgentContext:
         return routed.output
 
     def text_of(self, out: TokenOutput) -> str:
-        return self.tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=False)
+        """The generated text, without the end-of-turn token the engine stopped on."""
+        ids = out.token_ids.tolist()
+        if ids and ids[-1] == self.chat.end_of_turn_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def check_continuity(self, messages: Sequence[Message]) -> None:
+        """Debug mode: compare the trajectory's ids with a full re-render of `messages`.
+        A divergence is logged and kept on the context (the worker counts it)."""
+        if self.recorder is None:
+            return
+        ids = self.recorder.context_ids.tolist()
+        divergence = check_continuity(self.tokenizer, messages, self.tool_schemas or None, ids)
+        if divergence is not None:
+            self.continuity_divergence = str(divergence)
+            log.warning("trajectory %s: %s", self.session_id, divergence)
 
     async def run_tools(self, parsed: ParsedTurn) -> ToolOutcome:
         """Run the turn's valid calls concurrently; every failure becomes an observation."""
@@ -163,6 +195,13 @@ class ToolAgentLoop:
     """
 
     async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
+        transcript = list(task.messages)  # only kept for the debug continuity check
+        trajectory = await self._run(task, ctx, transcript)
+        if ctx.settings.continuity_check:
+            ctx.check_continuity(transcript)
+        return trajectory
+
+    async def _run(self, task: Task, ctx: AgentContext, transcript: list[Message]) -> Trajectory:
         rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
         for _ in range(ctx.settings.max_turns):
             if rec.room_for_generation() <= 0:
@@ -171,7 +210,9 @@ class ToolAgentLoop:
             out = await ctx.generate()
             if out.finish_reason == "abort":
                 return rec.finish(TerminationReason.ERROR, "generation was aborted")
-            parsed = parse_tool_calls(ctx.text_of(out), ctx.settings.max_tool_calls_per_turn)
+            text = ctx.text_of(out)
+            transcript.append(Message("assistant", text))
+            parsed = parse_tool_calls(text, ctx.settings.max_tool_calls_per_turn)
             if not parsed.calls and not parsed.errors:
                 reason = TerminationReason.MAX_TOKENS if out.finish_reason == "length" else TerminationReason.FINISHED
                 return rec.finish(reason)
@@ -181,6 +222,7 @@ class ToolAgentLoop:
             if (stop := rec.fits_observation(len(obs))) is not None:
                 return rec.finish(stop, "the tool observation does not fit")
             rec.add_observation(obs, outcome.num_calls, outcome.num_errors, outcome.seconds)
+            transcript.extend(outcome.messages)
             if outcome.ends_trajectory:
                 return rec.finish(TerminationReason.FINISHED)
         return rec.finish(TerminationReason.MAX_TURNS)

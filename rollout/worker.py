@@ -10,12 +10,13 @@ The worker itself never fails because of a trajectory. A thin Ray actor hosts it
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import traceback
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envs.tools.base import ToolFactory
 from rollout.agent_loop import AgentContext, LoopSettings, load_agent_loop
@@ -23,6 +24,9 @@ from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
 from rollout.router import Router
 from rollout.types import Group, Task, TerminationReason, Trajectory
+
+if TYPE_CHECKING:
+    from trainer.config import SluiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ class WorkerStats:
     num_finished: int
     end_reasons: Mapping[str, int]
     num_tool_errors: int
+    num_continuity_divergences: int  # only counted with agent.continuity_check
 
 
 class AgentLoopWorker:
@@ -51,6 +56,7 @@ class AgentLoopWorker:
         self._num_running = 0
         self._end_reasons: Counter[str] = Counter()
         self._num_tool_errors = 0
+        self._num_divergences = 0
 
     def loop_for(self, task: Task) -> Any:
         """The task's own loop class if it names one, else the recipe's; resolved once."""
@@ -97,6 +103,7 @@ class AgentLoopWorker:
             await self._release_tools(tools)
         self._end_reasons[trajectory.termination.value] += 1
         self._num_tool_errors += sum(t.num_tool_errors for t in trajectory.turns)
+        self._num_divergences += ctx.continuity_divergence is not None
         return trajectory
 
     def _salvage(self, ctx: AgentContext, reason: TerminationReason, detail: str) -> Trajectory:
@@ -119,7 +126,7 @@ class AgentLoopWorker:
 
     def stats(self) -> WorkerStats:
         return WorkerStats(self._num_running, sum(self._end_reasons.values()),
-                           dict(self._end_reasons), self._num_tool_errors)
+                           dict(self._end_reasons), self._num_tool_errors, self._num_divergences)
 
 
 def _check_result(trajectory: object, ctx: AgentContext) -> None:
@@ -129,3 +136,34 @@ def _check_result(trajectory: object, ctx: AgentContext) -> None:
     if (trajectory.task_id, trajectory.group_id, trajectory.index) != (ctx.task.id, ctx.group_id, ctx.index):
         raise ValueError(f"agent loop returned trajectory {trajectory.task_id}/{trajectory.group_id}/"
                          f"{trajectory.index} for {ctx.task.id}/{ctx.group_id}/{ctx.index}")
+
+
+BUILTIN_TOOLS: dict[str, str] = {"calculator": "envs.tools.calculator:CalculatorTool"}
+
+
+def build_agent_worker(cfg: "SluiceConfig", model_path: str, engines: Mapping[str, Any],
+                       tool_factories: Mapping[str, ToolFactory] | None = None) -> AgentLoopWorker:
+    """An AgentLoopWorker for the recipe: tokenizer and continuity builder of the policy,
+    a sticky router over `engines`, and the built-in tools unless `tool_factories` is given."""
+    from transformers import AutoTokenizer
+
+    from rollout.chat import build_continuity_builder
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking)
+    if tool_factories is None:
+        tool_factories = {name: load_tool(path) for name, path in BUILTIN_TOOLS.items()}
+    router = Router(dict(engines), max_sessions=cfg.rollout.num_router_sessions,
+                    request_timeout_s=cfg.rollout.request_timeout_s)
+    return AgentLoopWorker(default_loop=cfg.agent.loop, settings=LoopSettings.from_config(cfg),
+                           chat=chat, tokenizer=tokenizer, router=router,
+                           tool_factories=tool_factories,
+                           trajectory_timeout_s=cfg.agent.trajectory_timeout_s)
+
+
+def load_tool(import_string: str) -> ToolFactory:
+    module_name, _, attr = import_string.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(factory):
+        raise ValueError(f"tool {import_string!r} is not a class or factory")
+    return factory

@@ -240,3 +240,36 @@ async def test_unknown_task_tools_fail_before_any_trajectory(tokenizer):
     with pytest.raises(ValueError, match="unknown tools"):
         await worker.run_group(Task("t", TASK.messages, tools=("bash",)), "g", 2)
     assert engine.n == 0
+
+
+async def test_continuity_check_mode_finds_no_divergence_on_clean_turns(tokenizer):
+    import dataclasses
+
+    script = [call("calculator", expression="2+3"), "The answer is 5."]
+    worker, _ = make_worker(tokenizer, script)
+    worker.settings = dataclasses.replace(worker.settings, continuity_check=True)
+    await worker.run_group(TASK, "g", 2)
+    assert worker.stats().num_continuity_divergences == 0
+
+
+async def test_continuity_check_mode_reports_a_broken_builder(tokenizer):
+    import dataclasses
+
+    class GlueDroppingBuilder:
+        """A broken builder: forgets the newline after <|im_end|>."""
+
+        def __init__(self, inner):
+            self.inner = inner
+            self.end_of_turn_id = inner.end_of_turn_id
+
+        def initial_prompt_ids(self, messages, tools):
+            return self.inner.initial_prompt_ids(messages, tools)
+
+        def observation_ids(self, msgs, ended_with_eos):
+            return self.inner.observation_ids(msgs, ended_with_eos)[1:]
+
+    worker, _ = make_worker(tokenizer, [call("calculator", expression="1+1"), "2"])
+    worker.chat = GlueDroppingBuilder(worker.chat)
+    worker.settings = dataclasses.replace(worker.settings, continuity_check=True)
+    await worker.run_trajectory(TASK, "g", 0)
+    assert worker.stats().num_continuity_divergences == 1
