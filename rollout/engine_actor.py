@@ -69,6 +69,9 @@ class RayEngineClient:
     async def reset_prefix_cache(self) -> None:
         await self.handle.reset_prefix_cache.remote()
 
+    async def checksum(self, names: list[str]) -> str:
+        return await self.handle.checksum.remote(names)
+
     async def get_stats(self) -> EngineStats:
         return await self.handle.get_stats.remote()
 

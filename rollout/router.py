@@ -41,6 +41,7 @@ class EngineClient(Protocol):
     async def update_weights(self, version: int, blob: bytes | None = None,
                              path: str | None = None) -> None: ...
     async def reset_prefix_cache(self) -> None: ...
+    async def checksum(self, names: list[str]) -> str: ...
     async def get_stats(self) -> EngineStats: ...
 
 
@@ -174,6 +175,9 @@ class Router:
 
     async def reset_prefix_cache_all(self) -> None:
         await self._fan_out(lambda e: e.reset_prefix_cache())
+
+    async def checksum_all(self, names: list[str]) -> dict[str, str]:
+        return await self._fan_out(lambda e: e.checksum(names))
 
     async def engine_stats(self) -> dict[str, EngineStats]:
         return await self._fan_out(lambda e: e.get_stats())
