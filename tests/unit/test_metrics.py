@@ -1,0 +1,42 @@
+"""Metrics logger sinks and the idle clocks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from trainer.metrics import BusyClock, JsonlSink, MetricsLogger
+
+
+class FailingSink:
+    def write(self, step, metrics):
+        raise OSError("disk full")
+
+    def close(self):
+        pass
+
+
+def test_jsonl_sink_and_a_failing_sink_does_not_stop_logging(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    logger = MetricsLogger([FailingSink(), JsonlSink(path)])
+    logger.log(1, {"reward/mean": 0.5, "loss/clip_frac": float("nan")})
+    logger.log(2, {"reward/mean": 0.75})
+    logger.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["reward/mean"] == 0.5 and rows[0]["loss/clip_frac"] is None
+    assert logger.keys_seen == {"reward/mean", "loss/clip_frac"}
+
+
+def test_busy_clock_measures_the_idle_fraction():
+    clock = BusyClock()
+    time.sleep(0.05)  # idle
+    clock.busy()
+    time.sleep(0.05)
+    clock.idle()
+    ratio = clock.idle_ratio()
+    assert 0.3 < ratio < 0.7
+    clock.busy()
+    clock.reset()
+    time.sleep(0.02)
+    assert clock.idle_ratio() < 0.2
