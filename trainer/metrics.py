@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,14 +98,15 @@ class BusyClock:
     """Fraction of wall time something was idle. `busy()` / `idle()` switch state; the
     ratio covers the time since the last `reset()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self._now = now
         self._busy = False
-        self._since = time.monotonic()
+        self._since = now()
         self._window_start = self._since
         self._idle_s = 0.0
 
     def _settle(self) -> None:
-        now = time.monotonic()
+        now = self._now()
         if not self._busy:
             self._idle_s += now - self._since
         self._since = now
@@ -120,7 +121,7 @@ class BusyClock:
 
     def idle_ratio(self) -> float:
         self._settle()
-        window = time.monotonic() - self._window_start
+        window = self._since - self._window_start
         return self._idle_s / window if window > 0 else 0.0
 
     def reset(self) -> None:

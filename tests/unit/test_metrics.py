@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
-
 from trainer.metrics import BusyClock, JsonlSink, MetricsLogger
 
 
@@ -29,14 +27,15 @@ def test_jsonl_sink_and_a_failing_sink_does_not_stop_logging(tmp_path):
 
 
 def test_busy_clock_measures_the_idle_fraction():
-    clock = BusyClock()
-    time.sleep(0.05)  # idle
+    now = [0.0]
+    clock = BusyClock(now=lambda: now[0])
+    now[0] = 1.0  # idle 1 s
     clock.busy()
-    time.sleep(0.05)
+    now[0] = 4.0  # busy 3 s
     clock.idle()
-    ratio = clock.idle_ratio()
-    assert 0.3 < ratio < 0.7
+    now[0] = 5.0  # idle 1 s
+    assert clock.idle_ratio() == 2.0 / 5.0
     clock.busy()
     clock.reset()
-    time.sleep(0.02)
-    assert clock.idle_ratio() < 0.2
+    now[0] = 7.0
+    assert clock.idle_ratio() == 0.0
