@@ -1,0 +1,154 @@
+"""A short supervised pass on demonstrations, so an RL run starts from a policy with a
+non-zero success rate (the quickstart's tiny model starts from random weights).
+
+A demonstration is a conversation (system/user, then assistant turns with tool calls and
+tool results). It is turned into ids exactly as the agent loop builds trajectories (the
+continuity builder: prompt once, generated text + stop token with mask 1, observations
+with mask 0), so the supervised sequences have the same layout the policy sees in RL.
+Plain single-process torch: this is a warm start, not the training backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.chat import ContinuityBuilder, encode
+from rollout.types import Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Demonstration:
+    messages: tuple[Message, ...]  # starts with the prompt messages, then assistant/tool turns
+    tools: tuple[Mapping[str, Any], ...] = ()  # OpenAI schemas shown in the prompt
+
+
+@dataclass(frozen=True, slots=True)
+class SftExample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant tokens (the targets), 0 on prompt and observations
+
+
+@dataclass(frozen=True, slots=True)
+class SftResult:
+    path: Path
+    first_loss: float
+    last_loss: float
+    steps: int
+    seconds: float
+
+
+def render_assistant(message: Message) -> str:
+    """An assistant turn as the model writes it: text, then Hermes tool-call blocks."""
+    parts = [message.content] if message.content else []
+    for call in message.tool_calls:
+        body = json.dumps({"name": call.name, "arguments": dict(call.arguments)})
+        parts.append(f"<tool_call>\n{body}\n</tool_call>")
+    return "\n".join(parts)
+
+
+def build_sft_example(tokenizer: Any, chat: ContinuityBuilder, demo: Demonstration) -> SftExample:
+    """Ids and mask of one demonstration, built turn by turn like a rollout."""
+    first = next((i for i, m in enumerate(demo.messages) if m.role == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError("a demonstration needs prompt messages followed by an assistant turn")
+    ids = list(chat.initial_prompt_ids(demo.messages[:first], list(demo.tools) or None))
+    mask = [0] * len(ids)
+    rest = list(demo.messages[first:])
+    while rest:
+        assistant = rest.pop(0)
+        if assistant.role != "assistant":
+            raise ValueError(f"expected an assistant turn, got {assistant.role!r}")
+        generated = encode(tokenizer, render_assistant(assistant)) + [chat.end_of_turn_id]
+        ids += generated
+        mask += [1] * len(generated)
+        tools = []
+        while rest and rest[0].role == "tool":
+            tools.append(rest.pop(0))
+        if tools:
+            observation = chat.observation_ids(tools, generation_ended_with_eos=True)
+            ids += observation
+            mask += [0] * len(observation)
+    return SftExample(ids, mask)
+
+
+def compute_sft_loss(model: torch.nn.Module, batch: Sequence[SftExample]) -> torch.Tensor:
+    """Mean next-token cross-entropy over masked (assistant) targets of a padded batch."""
+    longest = max(len(e.input_ids) for e in batch)
+    ids_BT = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask_BT = torch.zeros(len(batch), longest, dtype=torch.bool)
+    attn_BT = torch.zeros(len(batch), longest, dtype=torch.long)
+    for row, ex in enumerate(batch):
+        n = len(ex.input_ids)
+        ids_BT[row, :n] = torch.tensor(ex.input_ids)
+        mask_BT[row, :n] = torch.tensor(ex.loss_mask, dtype=torch.bool)
+        attn_BT[row, :n] = 1
+    logits_BTV = model(input_ids=ids_BT, attention_mask=attn_BT).logits[:, :-1]
+    targets_BT, target_mask_BT = ids_BT[:, 1:], mask_BT[:, 1:]
+    losses_BT = torch.nn.functional.cross_entropy(logits_BTV.transpose(1, 2), targets_BT,
+                                                  reduction="none")
+    return (losses_BT * target_mask_BT).sum() / target_mask_BT.sum().clamp_min(1)
+
+
+def run_sft(model_path: str | Path, out_dir: str | Path, examples: Sequence[SftExample], *,
+            steps: int, batch_size: int = 16, lr: float = 3e-3, seed: int = 0) -> SftResult:
+    """Train on `examples` and save the model (with the tokenizer files) to `out_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    if not examples:
+        raise ValueError("no demonstrations to train on")
+    start = time.monotonic()
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / max(steps, 1))
+    first = last = float("nan")
+    for step in range(steps):
+        loss = compute_sft_loss(model, rng.sample(list(examples), min(batch_size, len(examples))))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        last = loss.item()
+        first = last if step == 0 else first
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for item in Path(model_path).iterdir():  # tokenizer, chat template, build info
+            if not item.name.startswith(("model", "config.json")) and item.is_file():
+                shutil.copy2(item, tmp / item.name)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("sft: %d steps, loss %.3f -> %.3f, %.1fs", steps, first, last, time.monotonic() - start)
+    return SftResult(out, first, last, steps, time.monotonic() - start)
+
+
+def demonstrations_key(model_path: str | Path, demos: Sequence[Demonstration], steps: int) -> str:
+    """Cache key of a warm-started model: base model, demonstrations and step count."""
+    digest = hashlib.sha256(str(Path(model_path).resolve()).encode())
+    digest.update(str(steps).encode())
+    for demo in demos:
+        digest.update(json.dumps([m.to_template() for m in demo.messages], sort_keys=True).encode())
+        digest.update(json.dumps(list(demo.tools), sort_keys=True).encode())
+    return digest.hexdigest()[:12]
