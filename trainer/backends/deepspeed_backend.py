@@ -1,0 +1,187 @@
+"""The DeepSpeed training backend: a plain class (a thin Ray shell hosts one per rank later)
+that owns the policy under ZeRO-1/2/3 with AdamW, trains one GRPO step per call over
+packed micro-batches, and hands out full weights under Hugging Face names for the push.
+
+deepspeed and torch.distributed are imported inside the methods that need them. On CPU
+the accelerator is DeepSpeed's `cpu` one with gloo (DS_ACCELERATOR=cpu must be set before
+deepspeed is first imported; the backend sets it when it is unset). DeepSpeed builds its
+C++ ops (shm comm, fused Adam) with g++ on first use into TORCH_EXTENSIONS_DIR.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.types import Trajectory
+from trainer.backends.packing import PackedBatch
+from trainer.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
+                                           resolve_dtype)
+from trainer.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
+                                   compute_warmup_factor, run_train_step)
+from trainer.config import LossConfig, TrainConfig
+
+logger = logging.getLogger(__name__)
+
+def find_free_port() -> int:
+    """A TCP port free right now on localhost (another process may take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join the torch.distributed group, creating a one-process group when no launcher
+    (torchrun, Ray shell) set RANK/WORLD_SIZE. gloo on cpu, nccl on cuda."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()),
+                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def build_deepspeed_config(cfg: TrainConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The DeepSpeed config of a TrainConfig.
+
+    Gradient accumulation is unmanaged: micro-batch counts vary from step to step, so the
+    step loop calls backward per micro-batch and `step()` once per minibatch, and scales
+    each micro-batch loss itself (see trainer.backends.step).
+    """
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"train.zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": list(ADAM_BETAS),
+            "eps": ADAM_EPS}},
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": 2**31 - 1,  # metrics go through sluice's logger, not DeepSpeed's
+        "wall_clock_breakdown": False,
+    }
+
+
+def _import_deepspeed(device: torch.device) -> Any:
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    found = get_accelerator().device_name()
+    if found != device.type:
+        raise ValueError(f"DeepSpeed chose the {found!r} accelerator for a {device.type!r} "
+                         f"backend; set DS_ACCELERATOR={device.type} before deepspeed is "
+                         f"first imported")
+    return deepspeed
+
+
+class DeepSpeedBackend:
+    """Trains the policy with DeepSpeed; one instance per training rank.
+
+    Every rank calls every method (they contain collectives). `version` counts completed
+    `train_step`s, starting at 0 for the loaded weights.
+    """
+
+    def __init__(self, cfg: TrainConfig, model_path: str | Path, *, dtype: str = "auto",
+                 device: str | None = None, temperature: float = 1.0,
+                 attn_implementation: str | None = None) -> None:
+        self._cfg = cfg
+        self._device = resolve_device(device)
+        self._dtype = resolve_dtype(dtype, self._device)
+        self._temperature = temperature
+        deepspeed = _import_deepspeed(self._device)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        init_process_group(self._device)
+        model = build_policy_model(model_path, self._dtype, self._device,
+                                   cfg.gradient_checkpointing, attn_implementation)
+        schedule = partial(compute_warmup_factor, num_warmup_steps=cfg.num_warmup_steps)
+        self._engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=build_deepspeed_config(cfg, self._dtype),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        self._version = 0
+
+    # --- StepOps: what the shared step loop drives -------------------------------------
+    @property
+    def forward_model(self) -> torch.nn.Module:
+        return self._engine
+
+    @property
+    def world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The step loop already scaled the loss by the micro-batch's share of the minibatch.
+        self._engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> float:
+        self._engine.step()
+        norm = self._engine.get_global_grad_norm()  # None at stage 0 without clipping stats
+        return float("nan") if norm is None else float(norm)
+
+    def all_reduce(self, values: list[float], op: str) -> list[float]:
+        import torch.distributed as dist
+
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        comm_device = self._device if self._device.type == "cuda" else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=comm_device)
+        dist.all_reduce(t, op=reduce_op)
+        return t.tolist()
+
+    # --- the backend API ------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def current_lr(self) -> float:
+        return float(self._engine.get_lr()[0])
+
+    def compute_proximal_logprobs(self, batches: Sequence[PackedBatch]) -> list[torch.Tensor]:
+        """logprobs_T of each packed batch under the current weights, no gradients."""
+        return compute_proximal_logprobs(self, batches, self._temperature)
+
+    def train_step(self, trajectories: Sequence[Trajectory], advantages_per_traj: Any,
+                   cfg_loss: LossConfig) -> StepResult:
+        """One policy version: `train.num_minibatches` optimizer steps over these trajectories
+        (this rank's share), with proximal logprobs computed once before the first."""
+        result = run_train_step(self, trajectories, torch.as_tensor(advantages_per_traj),
+                                self._cfg, cfg_loss, self._temperature, self._version + 1)
+        self._version += 1
+        return result
+
+    def iter_push_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) for every weight, one at a time, on the training
+        device. Under ZeRO-3 each parameter is all-gathered for the copy and re-partitioned
+        right after, so at most one full parameter beyond the shards is alive."""
+        deepspeed = _import_deepspeed(self._device)
+        for name, tensor in iter_weight_names(self._engine.module):
+            if hasattr(tensor, "ds_id"):  # a ZeRO-3 partitioned parameter
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                    full = tensor.detach().clone()
+            else:
+                full = tensor.detach().clone()
+            yield name, full
+
+    def state_dict_for_push(self) -> dict[str, torch.Tensor]:
+        """Full weights under Hugging Face names as CPU tensors (all ranks must call it)."""
+        return {name: t.cpu() for name, t in self.iter_push_tensors()}

@@ -1,0 +1,125 @@
+"""Per-token logprobs (and entropy) of a packed micro-batch under the policy: the one
+forward used by both the proximal (no-grad) pass and the current (training) pass, so the
+two can only differ through the weights.
+
+Sequences in a packed row must not attend to each other. Three attention paths, chosen by
+the attention implementation the model was loaded with:
+- `sluice_packed_sdpa` (the CPU default): a per-sequence fallback registered with
+  transformers. Each layer runs causal sdpa once per sequence (slices of q, k, v cut at
+  `cu_seqlens`): no mask, cost linear in the number of sequences.
+- `sdpa` / `eager`: an explicit block-diagonal causal mask (1, 1, T, T) built from the
+  sequence index. Simple, but attention over the whole row costs O(T^2) time and memory.
+- `flash_attention_2` (GPU only, when flash-attn is installed): `cu_seq_lens_*` are passed
+  to transformers, which runs flash-attn's varlen kernel. Needs CUDA; the CPU test suite
+  does not exercise it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.backends.packing import PackedBatch
+
+PACKED_SDPA = "sluice_packed_sdpa"
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", PACKED_SDPA)
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def compute_packed_sdpa_attention(module: torch.nn.Module, query_BHTD: torch.Tensor,
+                                  key_BHTD: torch.Tensor, value_BHTD: torch.Tensor,
+                                  attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                                  scaling: float | None = None,
+                                  cu_seq_lens_q: torch.Tensor | None = None,
+                                  **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers attention function: causal sdpa on each packed sequence separately.
+
+    Shapes follow transformers: q (1, heads, T, head_dim), k/v with the KV heads; returns
+    (1, T, heads, head_dim). Without `cu_seq_lens_q` the row is one sequence.
+    """
+    if query_BHTD.shape[0] != 1:
+        raise ValueError("packed attention expects one packed row (batch size 1); pack "
+                         "sequences with trainer.backends.packing instead of padding them")
+    num_tokens = query_BHTD.shape[2]
+    bounds = [0, num_tokens] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    gqa = key_BHTD.shape[1] != query_BHTD.shape[1]
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query_BHTD[:, :, a:b], key_BHTD[:, :, a:b], value_BHTD[:, :, a:b], dropout_p=dropout,
+        scale=scaling, is_causal=True, enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register_packed_sdpa() -> str:
+    """Make `sluice_packed_sdpa` a valid `attn_implementation` (idempotent); its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_SDPA, compute_packed_sdpa_attention)
+    return PACKED_SDPA
+
+
+def build_block_causal_mask(packed: PackedBatch, device: torch.device | str = "cpu"
+                            ) -> torch.Tensor:
+    """Bool mask (1, 1, T, T), True where query t may attend to key k: same sequence, k <= t."""
+    seq_T = packed.seq_index_T.to(device)
+    t = torch.arange(packed.num_tokens, device=device)
+    allowed_TT = (seq_T[:, None] == seq_T[None, :]) & (t[None, :] <= t[:, None])
+    return allowed_TT[None, None]
+
+
+def _attention_kwargs(model: torch.nn.Module, packed: PackedBatch, device: torch.device,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor | int]:
+    # A DeepSpeed engine wraps the Hugging Face model; the config lives on the inner module.
+    config = getattr(model, "module", model).config
+    impl = getattr(config, "_attn_implementation", "sdpa")
+    if impl in VARLEN_ATTENTION:
+        cu_seqlens = packed.cu_seqlens.to(device)
+        return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
+                "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen}
+    if impl not in MASKED_ATTENTION:
+        raise ValueError(f"attention implementation {impl!r} cannot run packed sequences; "
+                         f"load the model with one of {MASKED_ATTENTION + VARLEN_ATTENTION}")
+    allowed = build_block_causal_mask(packed, device)
+    if impl == "sdpa":
+        return {"attention_mask": allowed}
+    # eager adds the mask to the scores, so it must be additive (0 or a large negative).
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return {"attention_mask": additive.masked_fill(~allowed, torch.finfo(dtype).min)}
+
+
+def compute_logprobs_from_logits(logits_TV: torch.Tensor, target_ids_T: torch.Tensor,
+                                 temperature: float = 1.0, with_entropy: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and optionally the entropy of softmax(logits / temperature), in fp32.
+
+    Logits are upcast first: bf16 logprobs are too coarse for PPO ratios near 1.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (the sampling temperature of the engines), "
+                         f"got {temperature}")
+    scaled_TV = logits_TV.float()
+    if temperature != 1.0:
+        scaled_TV = scaled_TV / temperature
+    log_z_T = torch.logsumexp(scaled_TV, dim=-1)
+    logprobs_T = scaled_TV.gather(-1, target_ids_T[:, None]).squeeze(-1) - log_z_T
+    entropy_T = None
+    if with_entropy:
+        # H = log Z - sum_v p_v * x_v, without materialising log_softmax a second time.
+        entropy_T = log_z_T - (torch.softmax(scaled_TV, dim=-1) * scaled_TV).sum(-1)
+    return logprobs_T, entropy_T
+
+
+def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBatch,
+                                       temperature: float = 1.0, with_entropy: bool = False
+                                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs_T, entropy_T or None) of every position's target in one packed row.
+
+    `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Values at the
+    last position of each sequence (no target) are computed but meaningless; callers use
+    `packed.loss_mask_T`. Gradients flow when called outside `torch.no_grad()`.
+    """
+    param = next(getattr(model, "module", model).parameters())
+    device = param.device
+    kwargs = _attention_kwargs(model, packed, device, param.dtype)
+    out = model(input_ids=packed.input_ids_T[None].to(device),
+                position_ids=packed.position_ids_T[None].to(device), use_cache=False, **kwargs)
+    return compute_logprobs_from_logits(out.logits[0], packed.target_ids_T.to(device),
+                                        temperature, with_entropy)

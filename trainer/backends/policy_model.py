@@ -1,0 +1,97 @@
+"""Loading the trainable policy from a Hugging Face folder, and reading its weights back
+under Hugging Face names, for the training backends."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from trainer.backends.logprobs import PACKED_SDPA, register_packed_sdpa
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config fields some architectures read as dropout probabilities (Qwen2 has the first).
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+                  "attn_pdrop", "dropout")
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """`cuda` / `cpu`, or None: cuda when available (the rank's LOCAL_RANK GPU), else cpu."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (cluster.device), got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no GPU; set cluster.device=cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """model.dtype: auto is bfloat16 on cuda and float32 on cpu (bf16 matmuls are slow there)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def choose_attention(device: torch.device) -> str:
+    """flash_attention_2 (varlen kernel) where it can run, else the per-sequence sdpa
+    fallback (see trainer.backends.logprobs)."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return PACKED_SDPA
+
+
+def build_policy_model(model_path: str | Path, dtype: torch.dtype, device: torch.device,
+                       gradient_checkpointing: bool = False,
+                       attn_implementation: str | None = None) -> torch.nn.Module:
+    """The causal LM with dropout off, KV cache off and optional activation checkpointing.
+
+    Dropout is zeroed because the PPO ratio compares two forwards of the same weights (the
+    proximal and the current pass); random masks would make it noisy even on-policy.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not Path(model_path).is_dir():
+        raise ValueError(f"model.path {str(model_path)!r} is not a folder; give a Hugging Face "
+                         f"model folder or 'tiny'")
+    config = AutoConfig.from_pretrained(model_path)
+    for name in DROPOUT_FIELDS:
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+    config.use_cache = False
+    attn = attn_implementation or choose_attention(device)
+    if attn == PACKED_SDPA:
+        register_packed_sdpa()
+    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=dtype,
+                                                 attn_implementation=attn)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with ZeRO-3's parameter hooks and no_grad inputs.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    logger.info("loaded %s: %d parameters, %s, attention %s", model_path,
+                sum(p.numel() for p in model.parameters()), dtype, attn)
+    return model.to(device)
+
+
+def iter_persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers that `state_dict()` saves (rotary `inv_freq` and the like are not saved)."""
+    for prefix, sub in module.named_modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+def iter_weight_names(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every state_dict entry of a Hugging Face model as (name, tensor), tied weights under
+    each of their names, parameters first."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from iter_persistent_buffers(module)
