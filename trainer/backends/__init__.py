@@ -39,6 +39,10 @@ class TrainBackend(Protocol):
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]: ...
 
+    def save_state(self, folder: str | Path) -> None: ...  # model, optimizer, scheduler, version
+
+    def load_state(self, folder: str | Path) -> None: ...
+
 
 def build_backend(cfg: TrainConfig, model_path: str | Path, **kwargs: Any) -> TrainBackend:
     """The backend named by `train.backend`, built on the model folder `model_path`."""

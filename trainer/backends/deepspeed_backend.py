@@ -182,6 +182,20 @@ class DeepSpeedBackend:
                 full = tensor.detach().clone()
             yield name, full
 
+    def save_state(self, folder: str | Path) -> None:
+        """Model, optimizer, scheduler and version (DeepSpeed's own sharded format; every
+        rank writes its shard, so all ranks call it)."""
+        self._engine.save_checkpoint(str(folder), tag="state", client_state={"version": self._version},
+                                     save_latest=False)
+
+    def load_state(self, folder: str | Path) -> None:
+        path, client = self._engine.load_checkpoint(str(folder), tag="state",
+                                                    load_optimizer_states=True,
+                                                    load_lr_scheduler_states=True)
+        if path is None:
+            raise ValueError(f"no DeepSpeed checkpoint under {folder}")
+        self._version = int(client["version"])
+
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
         """Full weights under Hugging Face names as CPU tensors (all ranks must call it)."""
         return {name: t.cpu() for name, t in self.iter_push_tensors()}

@@ -82,6 +82,21 @@ class TorchBackend:
         self._version += 1
         return result
 
+    def save_state(self, folder: str | Path) -> None:
+        """Model, optimizer, scheduler and version in one torch file."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict(),
+                    "scheduler": self._scheduler.state_dict(), "version": self._version},
+                   Path(folder) / "torch_state.pt")
+
+    def load_state(self, folder: str | Path) -> None:
+        state = torch.load(Path(folder) / "torch_state.pt", map_location=self._device,
+                           weights_only=True)
+        self._model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._scheduler.load_state_dict(state["scheduler"])
+        self._version = int(state["version"])
+
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
         """Full weights under Hugging Face names as CPU tensors."""
         return {name: t.detach().to("cpu", copy=True) for name, t in

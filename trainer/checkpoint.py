@@ -1,0 +1,115 @@
+"""Checkpoints: the backend's state (model, optimizer, scheduler, version) plus the run's
+own state (step, data cursor, RNG states, buffered terminal groups, tasks in flight),
+written atomically so a crash mid-write leaves the previous checkpoint usable.
+
+Layout under the run folder:
+    checkpoints/step-000012/{backend/, run_state.pkl}   one folder per checkpoint
+    checkpoints/latest                                   name of the newest complete one
+A checkpoint folder is written under a temporary name and renamed when complete; `latest`
+is replaced with os.replace. Resume restarts at the saved version (no step counted twice)
+and re-admits the tasks that were in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from rollout.types import Group, Task
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+class Checkpointable(Protocol):
+    def save_state(self, folder: str | Path) -> None: ...
+    def load_state(self, folder: str | Path) -> None: ...
+
+
+@dataclass(slots=True)
+class RunState:
+    step: int  # completed training steps (== policy version)
+    data_cursor: int  # tasks taken from the task stream so far
+    buffered_groups: list[Group] = field(default_factory=list)
+    in_flight_tasks: list[Task] = field(default_factory=list)  # re-admitted on resume
+    rng: dict[str, Any] = field(default_factory=dict)
+
+
+def capture_rng() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.random.get_rng_state()}
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.random.set_rng_state(rng["torch"])
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+
+
+def save_checkpoint(root: str | Path, backend: Checkpointable, state: RunState,
+                    keep_last: int = 2) -> Path:
+    """Write checkpoint `step-<state.step>` atomically, point `latest` at it, prune old ones."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step:06d}"
+    final, tmp = root / name, root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    backend.save_state(tmp / "backend")
+    state.rng = capture_rng()
+    with (tmp / "run_state.pkl").open("wb") as f:
+        pickle.dump(state, f)
+    _fsync_tree(tmp)
+    if final.exists():  # a re-save of the same step (e.g. after resume): replace it whole
+        shutil.rmtree(final)
+    tmp.rename(final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / LATEST)
+    _prune(root, keep_last)
+    log.info("checkpoint %s written", final)
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in complete[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if (path / "run_state.pkl").is_file() else None
+
+
+def load_checkpoint(path: str | Path, backend: Checkpointable) -> RunState:
+    """Load backend and run state from a checkpoint folder; restores the RNG states."""
+    path = Path(path)
+    if not (path / "run_state.pkl").is_file():
+        raise ValueError(f"{path} is not a complete sluice checkpoint (no run_state.pkl); "
+                         f"set checkpoint.resume_from to a step-* folder or 'latest'")
+    backend.load_state(path / "backend")
+    with (path / "run_state.pkl").open("rb") as f:
+        state: RunState = pickle.load(f)
+    restore_rng(state.rng)
+    return state
