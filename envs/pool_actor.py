@@ -1,0 +1,102 @@
+"""Thin Ray shell: one SandboxPool per sandbox-worker actor, and the SandboxProvider that
+agent-loop workers use to reach those actors. All behaviour lives in envs.pool."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import ray
+
+from envs.pool import PoolStats, SandboxLease, build_sandbox_pool
+from envs.sandbox.base import ExecResult, SandboxSpec
+from trainer.config import EnvsConfig
+
+
+@ray.remote(max_concurrency=100_000)
+class SandboxPoolActor:
+    def __init__(self, envs: EnvsConfig, name: str) -> None:
+        self.pool = build_sandbox_pool(envs, name=name)
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def acquire(self, spec: SandboxSpec) -> SandboxLease:
+        return await self.pool.acquire(spec)
+
+    async def release(self, lease: SandboxLease) -> None:
+        await self.pool.release(lease)
+
+    async def exec(self, lease: SandboxLease, cmd: str | list[str], timeout_s: float,
+                   stdin: str | None = None) -> ExecResult:
+        return await self.pool.exec(lease, cmd, timeout_s, stdin)
+
+    async def read_file(self, lease: SandboxLease, path: str) -> bytes:
+        return await self.pool.read_file(lease, path)
+
+    async def write_file(self, lease: SandboxLease, path: str, data: bytes) -> None:
+        await self.pool.write_file(lease, path, data)
+
+    async def checkpoint(self, lease: SandboxLease) -> None:
+        await self.pool.checkpoint(lease)
+
+    async def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+class RaySandboxProvider:
+    """SandboxProvider over one or more SandboxPoolActor handles: acquires go round-robin,
+    every later call goes to the actor that owns the lease. Errors raised in the actor
+    come back as the original exception, so tools show the model its message and not a
+    Ray traceback. Cancelling a call here does not cancel it in the actor."""
+
+    def __init__(self, handles: dict[str, "ray.actor.ActorHandle"]) -> None:
+        if not handles:
+            raise ValueError("RaySandboxProvider needs at least one SandboxPoolActor; "
+                             "set envs.num_sandbox_workers >= 1")
+        self.handles = dict(handles)
+        self._next = itertools.cycle(list(self.handles.values()))
+
+    async def acquire(self, spec: SandboxSpec) -> SandboxLease:
+        return await _call(next(self._next).acquire, spec)
+
+    async def release(self, lease: SandboxLease) -> None:
+        await _call(self.handles[lease.pool].release, lease)
+
+    async def exec(self, lease: SandboxLease, cmd: str | list[str], timeout_s: float,
+                   stdin: str | None = None) -> ExecResult:
+        return await _call(self.handles[lease.pool].exec, lease, cmd, timeout_s, stdin)
+
+    async def read_file(self, lease: SandboxLease, path: str) -> bytes:
+        return await _call(self.handles[lease.pool].read_file, lease, path)
+
+    async def write_file(self, lease: SandboxLease, path: str, data: bytes) -> None:
+        await _call(self.handles[lease.pool].write_file, lease, path, data)
+
+    async def checkpoint(self, lease: SandboxLease) -> None:
+        await _call(self.handles[lease.pool].checkpoint, lease)
+
+
+async def _call(method: Any, *args: Any) -> Any:
+    try:
+        return await method.remote(*args)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, Exception):
+            raise exc.cause from None
+        raise
+
+
+async def start_sandbox_pools(envs: EnvsConfig, **actor_options: Any) -> RaySandboxProvider:
+    """Start `envs.num_sandbox_workers` pool actors, wait for their warm sandboxes, and
+    return the provider over them."""
+    handles = {}
+    for i in range(envs.num_sandbox_workers):
+        name = f"sandbox-pool-{i}"
+        options = {"num_cpus": envs.cpus_per_sandbox_worker, **actor_options}
+        handles[name] = SandboxPoolActor.options(**options).remote(envs, name)
+    for handle in handles.values():
+        await handle.start.remote()
+    return RaySandboxProvider(handles)

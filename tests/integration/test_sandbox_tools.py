@@ -1,0 +1,199 @@
+"""Sandbox tools over a SandboxPool of real LocalSandboxes: one trajectory using every
+tool, the errors the model gets back, isolation between trajectories, nothing left on
+the host after release, and the real AgentLoopWorker building tools from the factories."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from envs.pool import SandboxPool
+from envs.sandbox.base import SandboxLimits, SandboxSpec
+from envs.tools.sandbox_tools import (SandboxToolSettings, build_sandbox_tool_factories,
+                                      build_sandbox_tools)
+from rollout.types import Message, Task, TerminationReason
+
+SMALL = SandboxLimits(memory_mb=256, max_processes=64)
+SETTINGS = SandboxToolSettings(limits=SMALL, exec_timeout_s=1.0, max_observation_tokens=1500)
+ALL_TOOLS = ("bash", "python", "read_file", "write_file", "str_replace", "run_tests", "submit")
+
+
+class Recording:
+    def __init__(self) -> None:
+        from envs.sandbox.local import LocalSandbox
+
+        self.made: list[LocalSandbox] = []
+
+        async def create(spec: SandboxSpec) -> LocalSandbox:
+            sandbox = await LocalSandbox.create(spec)
+            self.made.append(sandbox)
+            return sandbox
+
+        self.pool = SandboxPool(create, max_sandboxes=4, num_warm=0, snapshot_interval_s=5.0)
+
+    def leftovers(self) -> list[str]:
+        return [p for sb in self.made for p in sb.host_paths() if os.path.lexists(p)]
+
+
+@pytest.fixture
+async def recording() -> AsyncIterator[Recording]:
+    if os.geteuid() != 0 or shutil.which("bwrap") is None:
+        pytest.skip("the local backend needs root and bubblewrap")
+    recording = Recording()
+    yield recording
+    await recording.pool.close()
+    assert recording.leftovers() == []
+
+
+@pytest.fixture
+def task(tmp_path: Path) -> Task:
+    source, visible, hidden = tmp_path / "source", tmp_path / "visible", tmp_path / "hidden"
+    for folder in (source, visible, hidden):
+        folder.mkdir()
+    (source / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    # A TestCase: the sandbox's python may lack pytest, and unittest only collects these.
+    (visible / "test_calc.py").write_text(
+        "import unittest\nfrom calc import add\n\n\nclass TestAdd(unittest.TestCase):\n"
+        "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n")
+    (hidden / "test_hidden_secret.py").write_text("SECRET_HIDDEN = 1\n")
+    return Task("fix-add", (Message("user", "Fix add."),), tools=ALL_TOOLS,
+                source_dir=str(source), visible_tests=str(visible), hidden_tests=str(hidden))
+
+
+async def test_one_trajectory_uses_every_tool_in_one_workspace(recording: Recording,
+                                                               task: Task) -> None:
+    tools = build_sandbox_tools(recording.pool, SETTINGS, ALL_TOOLS)
+    await asyncio.gather(*(t.create(task) for t in tools.values()))
+    try:
+        failing = await tools["run_tests"].execute({})
+        assert not failing.is_error and failing.text.startswith("exit code: 1\n")
+        assert "AssertionError: -1 != 5" in failing.text
+        written = await tools["write_file"].execute({"path": "notes/plan.txt", "content": "a + b\n"})
+        assert written.text == "Wrote 6 bytes to notes/plan.txt."
+        edited = await tools["str_replace"].execute(
+            {"path": "/workspace/calc.py", "old": "return a - b", "new": "return a + b"})
+        assert edited.text.startswith("Edited calc.py: replaced 1 occurrence at line 2.")
+        ran = await tools["python"].execute(
+            {"code": "from calc import add\nprint(add(2, 3), open('notes/plan.txt').read())"})
+        assert ran.text == "exit code: 0\nstdout:\n5 a + b\n\nstderr: (empty)"  # print's newline
+        shown = await tools["read_file"].execute({"path": "calc.py", "start_line": 2, "end_line": 2})
+        assert shown.text == "     2\t    return a + b"
+        passing = await tools["run_tests"].execute({})
+        assert passing.text.startswith("exit code: 0\n") and "OK" in passing.text
+        listing = await tools["bash"].execute({"command": "ls -R; grep -rl SECRET_HIDDEN . || true"})
+        assert "test_calc.py" in listing.text and "hidden" not in listing.text
+        submitted = await tools["submit"].execute({})
+        assert submitted.ends_trajectory
+    finally:
+        await asyncio.gather(*(t.release() for t in tools.values()))
+    assert recording.pool.stats().num_in_use == 0 and recording.leftovers() == []
+
+
+async def test_tool_mistakes_come_back_as_error_results(recording: Recording, task: Task) -> None:
+    tools = build_sandbox_tools(recording.pool, SETTINGS, ALL_TOOLS)
+    await asyncio.gather(*(t.create(task) for t in tools.values()))
+    try:
+        await tools["write_file"].execute({"path": "twice.py", "content": "x = 1\nx = 1\n"})
+        cases = [
+            ("read_file", {"path": "missing.py"}, "no file 'missing.py'"),
+            ("read_file", {"path": "../etc/passwd"}, "leaves the workspace"),
+            ("read_file", {"path": "calc.py", "start_line": 9}, "past the end of calc.py"),
+            ("write_file", {"path": "/etc/evil", "content": "x"}, "is absolute"),
+            ("str_replace", {"path": "calc.py", "old": "nope", "new": "x"}, "was not found"),
+            ("str_replace", {"path": "twice.py", "old": "x = 1", "new": "x = 2"},
+             "occurs 2 times in twice.py (lines 1, 2)"),
+            ("str_replace", {"path": "missing.py", "old": "a", "new": "b"}, "no file"),
+            ("bash", {"command": "sleep 10"}, "timed out after 1 s"),
+        ]
+        for name, arguments, expected in cases:
+            result = await tools[name].execute(arguments)
+            assert result.is_error, (name, arguments, result.text)
+            assert expected in result.text, (name, result.text)
+        assert (await tools["read_file"].execute({"path": "twice.py"})).text.count("x = 1") == 2
+        crashed = await tools["python"].execute({"code": "raise SystemExit('bad input')"})
+        assert not crashed.is_error and crashed.text.startswith("exit code: 1\n")
+        assert "bad input" in crashed.text
+    finally:
+        await asyncio.gather(*(t.release() for t in tools.values()))
+
+
+async def test_two_trajectories_never_see_each_others_files(recording: Recording,
+                                                            task: Task) -> None:
+    factories = build_sandbox_tool_factories(recording.pool, SETTINGS)
+
+    async def trajectory(secret: str) -> str:
+        tools = {name: factories[name]() for name in task.tools}
+        await asyncio.gather(*(t.create(task) for t in tools.values()))
+        try:
+            await tools["write_file"].execute({"path": f"{secret}.txt", "content": secret})
+            await asyncio.sleep(0.2)  # both have written before either looks
+            return (await tools["bash"].execute({"command": "ls *.txt; cat *.txt"})).text
+        finally:
+            await asyncio.gather(*(t.release() for t in tools.values()))
+
+    first, second = await asyncio.gather(trajectory("alpha"), trajectory("beta"))
+    assert "alpha" in first and "beta" not in first
+    assert "beta" in second and "alpha" not in second
+    assert len(recording.made) == 2 and recording.leftovers() == []
+
+
+class ScriptedEngine:
+    """Stand-in engine: each session's k-th turn gets script[k], then the stop token."""
+
+    def __init__(self, tokenizer, script: list[str]) -> None:
+        self.tokenizer, self.script = tokenizer, script
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.turns: dict[str, int] = {}
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        from rollout.engine import TokenOutput
+
+        session = request_id.split("#")[0]
+        k = self.turns[session] = self.turns.get(session, -1) + 1
+        ids = self.tokenizer.encode(self.script[min(k, len(self.script) - 1)],
+                                    add_special_tokens=False) + [self.eos]
+        n = len(ids)
+        return TokenOutput(np.array(ids, np.int32), np.full(n, -0.5, np.float32),
+                           np.zeros(n, np.int32), "stop", len(prompt_ids), 0)
+
+
+def call(name: str, **arguments: object) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+async def test_the_worker_gives_each_trajectory_its_own_shared_sandbox(
+        recording: Recording, task: Task, tiny_model_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from rollout.agent_loop import LoopSettings
+    from rollout.chat import build_continuity_builder
+    from rollout.recorder import Budgets
+    from rollout.router import Router
+    from rollout.worker import AgentLoopWorker
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    script = [call("write_file", path="log.txt", content="one\n"),
+              call("bash", command="echo two >> log.txt; wc -l < log.txt"), call("submit")]
+    worker = AgentLoopWorker(
+        default_loop="rollout.agent_loop:ToolAgentLoop",
+        settings=LoopSettings(budgets=Budgets(32768, 30000, 256), max_turns=5,
+                              max_tool_calls_per_turn=2, tool_timeout_s=30.0),
+        chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
+        router=Router({"e0": ScriptedEngine(tokenizer, script)}),
+        tool_factories=build_sandbox_tool_factories(recording.pool, SETTINGS),
+        trajectory_timeout_s=60.0)
+    group = await worker.run_group(task, "g0", 3)
+    for trajectory in group.trajectories:
+        assert trajectory.termination is TerminationReason.FINISHED, trajectory.termination_detail
+        text = tokenizer.decode(trajectory.response_ids.tolist())
+        # write_file and bash met in one workspace, which no other trajectory touched.
+        assert "stdout:\n2\n" in text, text
+    stats = recording.pool.stats()
+    assert (stats.num_acquires, stats.num_in_use) == (3, 0) and len(recording.made) == 3

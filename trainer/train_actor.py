@@ -1,0 +1,98 @@
+"""Thin Ray shell for training: one TrainRankActor per bundle of the train pool, hosting a
+backend (DeepSpeed by default), and `TrainGroup`, which drives all ranks with the same
+call and splits each batch between them. All behaviour lives in trainer.backends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollout.types import Trajectory
+from trainer.config import SluiceConfig
+
+
+@ray.remote
+class TrainRankActor:
+    def __init__(self, cfg: SluiceConfig, model_path: str, rank: int, world_size: int,
+                 master_addr: str, master_port: int) -> None:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from trainer.backends import build_backend
+
+        self.cfg = cfg
+        self.backend = build_backend(cfg.train, model_path, dtype=cfg.model.dtype,
+                                     device="cuda" if cfg.cluster.device == "cuda" else "cpu",
+                                     temperature=cfg.rollout.temperature)
+
+    def train_step(self, trajectories: list[Trajectory], advantages: np.ndarray) -> Any:
+        return self.backend.train_step(trajectories, advantages, self.cfg.loss)
+
+    def state_dict_for_push(self) -> dict:
+        return self.backend.state_dict_for_push()
+
+    def version(self) -> int:
+        return self.backend.version
+
+    def save_state(self, folder: str) -> None:
+        self.backend.save_state(folder)
+
+    def load_state(self, folder: str) -> None:
+        self.backend.load_state(folder)
+
+
+def _node_address_and_port() -> tuple[str, int]:
+    """Rank 0's rendezvous address; runs on rank 0's node."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), int(s.getsockname()[1])
+
+
+class TrainGroup:
+    """All ranks of the train pool. Each call goes to every rank (the backends hold
+    collectives); a batch is split into contiguous per-rank shards."""
+
+    def __init__(self, cfg: SluiceConfig, model_path: str, placement_group: Any | None) -> None:
+        world = cfg.train.num_ranks
+        gpus = 1 if cfg.cluster.device == "cuda" else 0
+
+        def options(i: int) -> dict[str, Any]:
+            opts: dict[str, Any] = {"num_cpus": 0, "num_gpus": gpus}
+            if placement_group is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=i)
+            return opts
+
+        probe = ray.remote(_node_address_and_port).options(**options(0))
+        addr, port = ray.get(probe.remote())
+        self.ranks = [TrainRankActor.options(**options(i)).remote(cfg, model_path, i, world, addr, port)
+                      for i in range(world)]
+        self.version = 0
+
+    async def train_step(self, trajectories: Sequence[Trajectory], advantages: np.ndarray) -> Any:
+        """Returns rank 0's StepResult; every rank trains on its shard."""
+        shards = np.array_split(np.arange(len(trajectories)), len(self.ranks))
+        refs = [rank.train_step.remote([trajectories[i] for i in idx], advantages[idx])
+                for rank, idx in zip(self.ranks, shards)]
+        results = await asyncio.gather(*refs)
+        self.version += 1
+        return results[0]
+
+    async def state_dict_for_push(self) -> dict:
+        refs = [rank.state_dict_for_push.remote() for rank in self.ranks]
+        return (await asyncio.gather(*refs))[0]  # a collective on every rank; rank 0's copy
+
+    # Blocking: the controller calls these from a thread (trainer.checkpoint is synchronous).
+    def save_state(self, folder: str | Path) -> None:
+        ray.get([rank.save_state.remote(str(folder)) for rank in self.ranks])
+
+    def load_state(self, folder: str | Path) -> None:
+        ray.get([rank.load_state.remote(str(folder)) for rank in self.ranks])
+        self.version = ray.get(self.ranks[0].version.remote())
