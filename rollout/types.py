@@ -63,9 +63,21 @@ class Message:
         return out
 
 
+# Where grading copies `Task.hidden_tests` inside the grading workspace; node ids of hidden
+# tests in `Task.fail_to_pass` start with this folder (e.g. "_sluice_hidden/test_x.py::test_a").
+HIDDEN_TESTS_DIR = "_sluice_hidden"
+
+
 @dataclass(frozen=True, slots=True)
 class Task:
-    """One problem; a GRPO group runs it G times."""
+    """One problem; a GRPO group runs it G times.
+
+    Test-graded tasks name their tests by pytest node id ("path/to/test_file.py::Class::
+    test_name[param]", the path relative to the workspace root). `fail_to_pass` tests must
+    pass after the agent's change (they fail on the task's source); `pass_to_pass` tests
+    pass before and must keep passing. Both run only in a fresh grading sandbox, after
+    `test_patch` is applied and `hidden_tests` is copied to HIDDEN_TESTS_DIR there.
+    """
 
     id: str
     messages: tuple[Message, ...]  # the initial conversation (system + user)
@@ -74,14 +86,67 @@ class Task:
     agent_loop: str | None = None  # import string overriding agent.loop for this task
     source_dir: str | None = None  # folder a sandbox workspace is created from
     image: str | None = None  # container image, for container sandbox backends
-    visible_tests: str | None = None  # folder of tests the agent may run
+    visible_tests: str | None = None  # folder of tests the agent may run (copied into its sandbox)
     hidden_tests: str | None = None  # folder of grading tests, never inside the agent's sandbox
+    test_patch: str | None = None  # unified diff (paths relative to the workspace root, git's
+    # a/ b/ prefixes) applied only in the grading copy; it adds or updates tests
+    fail_to_pass: tuple[str, ...] = ()  # pytest node ids that must pass after the change
+    pass_to_pass: tuple[str, ...] = ()  # pytest node ids that must keep passing
+    reward_fn: str | None = None  # import string 'package.module:Class' overriding reward.fn
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("Task.id must be a non-empty string")
+        set_ = object.__setattr__  # frozen: sequences given as lists are normalised once, here
+        for name in ("messages", "tools", "fail_to_pass", "pass_to_pass"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ValueError(f"task {self.id!r}: {name} must be a sequence, not a string "
+                                 f"(wrap it: [{value!r}])")
+            set_(self, name, tuple(value))
         if not self.messages:
             raise ValueError(f"task {self.id!r} has no messages")
+        self._validate_tests()
+        if self.reward_fn is not None and not _is_import_string(self.reward_fn):
+            raise ValueError(f"task {self.id!r}: reward_fn={self.reward_fn!r} is not an import "
+                             "string; write it as 'package.module:Class'")
+
+    def _validate_tests(self) -> None:
+        for name in ("fail_to_pass", "pass_to_pass"):
+            ids = getattr(self, name)
+            for node_id in ids:
+                problem = _node_id_problem(node_id)
+                if problem:
+                    raise ValueError(f"task {self.id!r}: {name} entry {node_id!r} {problem}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"task {self.id!r}: {name} lists a test twice; remove duplicates")
+        both = set(self.fail_to_pass) & set(self.pass_to_pass)
+        if both:
+            raise ValueError(f"task {self.id!r}: tests {sorted(both)} are in both fail_to_pass "
+                             "and pass_to_pass; keep each in one list")
+        if (self.test_patch or self.fail_to_pass or self.pass_to_pass) \
+                and not (self.source_dir or self.image or self.hidden_tests):
+            raise ValueError(f"task {self.id!r} names tests but has no source_dir, image or "
+                             "hidden_tests to run them in; add one")
+        if self.test_patch is not None and not self.test_patch.strip():
+            raise ValueError(f"task {self.id!r}: test_patch is empty; use None for no patch")
+
+
+def _is_import_string(value: str) -> bool:
+    module, sep, attr = value.partition(":")
+    return bool(sep and module and attr)
+
+
+def _node_id_problem(node_id: object) -> str:
+    """Why `node_id` is not a pytest node id relative to the workspace ('' if it is one)."""
+    if not isinstance(node_id, str):
+        return "is not a string"
+    path, sep, name = node_id.partition("::")
+    if not sep or not name:
+        return "is not a pytest node id; write it as 'path/to/test_file.py::test_name'"
+    if not path.endswith(".py") or path.startswith("/") or ".." in path.split("/"):
+        return "must start with a relative path to a .py file inside the workspace"
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

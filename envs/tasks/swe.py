@@ -1,0 +1,166 @@
+"""SWE-bench-style instances -> Tasks: a repository at a base commit, an issue text, a test
+patch and the FAIL_TO_PASS / PASS_TO_PASS pytest node ids.
+
+Row fields (SWE-bench's names; others such as the gold `patch`, `hints_text`, `version`
+are ignored and never reach the agent):
+
+    instance_id, problem_statement, base_commit, test_patch, FAIL_TO_PASS, PASS_TO_PASS
+    repo_dir   local repository or snapshot folder (relative to the task file); default
+               <task file folder>/repos/<repo with '/' as '__'>
+    tools      optional tool names (default SWE_TOOLS)
+
+The agent's copy holds no history after the base commit, nor before it: the base
+commit's tree is exported through a temporary index (`git read-tree` + `checkout-index`,
+which, unlike `git archive`, ignores export-ignore/export-subst attributes and so gives
+the exact tree) into a fresh folder that becomes a new repository with one commit. No
+object, ref, reflog or remote of the source repository is copied, so no later commit
+(the fix) can be reached; the agent still gets `git diff`/`git status` against the base.
+A snapshot folder that is not a git repository is copied as is (without any .git).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from envs.tasks.cache import build_once
+from envs.tasks.rows import RowRef, get_str, get_str_list
+from rollout.types import Message, Task
+
+SWE_TOOLS = ("bash", "read_file", "write_file", "str_replace", "submit")
+SYSTEM_PROMPT = ("You are an expert software engineer working in a sandbox. The repository is "
+                 "at /workspace; use the tools to inspect and edit it.")
+PROMPT = ("Resolve the issue below by changing the repository's source code in /workspace "
+          "(a git repository at the commit the issue was reported against). Do not modify "
+          "or add tests: hidden tests will check your change. Call submit when you are done."
+          "\n\n<issue>\n{problem_statement}\n</issue>")
+BASE_DATE = "2000-01-01T00:00:00+0000"  # fixed, so the same tree gives the same commit id
+
+
+def is_swe_row(row: Mapping[str, Any]) -> bool:
+    return "instance_id" in row and "problem_statement" in row
+
+
+def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Task:
+    instance_id = get_str(ref, row, "instance_id", required=True)
+    problem = get_str(ref, row, "problem_statement", required=True)
+    test_patch = get_str(ref, row, "test_patch", required=True)
+    fail_to_pass = get_str_list(ref, row, "FAIL_TO_PASS")
+    if not fail_to_pass:
+        raise ref.error("FAIL_TO_PASS", "is empty; an instance needs at least one test that the "
+                        "fix makes pass")
+    repo_dir = _repo_dir(ref, row)
+    base_commit = get_str(ref, row, "base_commit")
+    try:
+        source = export_base_snapshot(repo_dir, base_commit, cache_dir, str(instance_id))
+    except ValueError as exc:
+        raise ref.error("base_commit" if base_commit else "repo_dir", str(exc)) from None
+    assert instance_id is not None and problem is not None
+    try:
+        return Task(id=instance_id, tools=get_str_list(ref, row, "tools") or SWE_TOOLS,
+                    messages=(Message("system", SYSTEM_PROMPT),
+                              Message("user", PROMPT.format(problem_statement=problem.strip()))),
+                    source_dir=source, test_patch=test_patch, fail_to_pass=fail_to_pass,
+                    pass_to_pass=get_str_list(ref, row, "PASS_TO_PASS"),
+                    reward_fn="reward.tests:HiddenTests")
+    except ValueError as exc:
+        raise ref.error(None, str(exc)) from None
+
+
+def _repo_dir(ref: RowRef, row: Mapping[str, Any]) -> str:
+    value = get_str(ref, row, "repo_dir")
+    if value is None:
+        repo = get_str(ref, row, "repo")
+        if repo is None:
+            raise ref.error("repo_dir", "is required (or 'repo', looked up as "
+                            "repos/<owner>__<name> next to the task file)")
+        value = os.path.join("repos", repo.replace("/", "__"))
+    path = value if os.path.isabs(value) else os.path.join(ref.base_dir, value)
+    if not os.path.isdir(path):
+        raise ref.error("repo_dir", f"folder {path!r} does not exist; point repo_dir at a local "
+                        "clone or snapshot of the repository")
+    return os.path.abspath(path)
+
+
+def _git(args: list[str], cwd: str, env: Mapping[str, str] | None = None) -> str:
+    base = {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C", "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0",
+            # Never discover a repository above the one we mean.
+            "GIT_CEILING_DIRECTORIES": os.path.dirname(os.path.abspath(cwd))}
+    proc = subprocess.run(["git", *args], cwd=cwd, env={**base, **(env or {})},
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise ValueError(f"git {' '.join(args[:2])} failed in {cwd}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def is_git_repo(path: str) -> bool:
+    """Whether `path` is the top of a git work tree (not merely inside one)."""
+    try:
+        top = _git(["rev-parse", "--show-toplevel"], path).strip()
+    except ValueError:
+        return False
+    return os.path.realpath(top) == os.path.realpath(path)
+
+
+def export_base_snapshot(repo_dir: str, base_commit: str | None, cache_dir: str,
+                         name: str) -> str:
+    """A folder holding `repo_dir` at `base_commit` as a fresh one-commit repository (see
+    the module docstring), built once under `cache_dir`."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
+    if is_git_repo(repo_dir):
+        if not base_commit:
+            raise ValueError(f"{repo_dir} is a git repository: give the base_commit to export")
+        try:
+            commit = _git(["rev-parse", "--verify", "--quiet", f"{base_commit}^{{commit}}"],
+                          repo_dir).strip()
+        except ValueError:
+            raise ValueError(f"{base_commit!r} is not a commit of {repo_dir}; fetch it there "
+                             "or fix base_commit") from None
+        dest = os.path.join(cache_dir, "swe", f"{safe}-{commit[:16]}")
+        return build_once(dest, lambda tmp: _export_commit(repo_dir, commit, tmp))
+    dest = os.path.join(cache_dir, "swe", f"{safe}-{_folder_digest(repo_dir)}")
+    return build_once(dest, lambda tmp: _copy_snapshot(repo_dir, tmp))
+
+
+def _export_commit(repo_dir: str, commit: str, dest: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="sluice-index-") as tmp:
+        env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        _git(["read-tree", commit], repo_dir, env)
+        _git(["checkout-index", "--all", "--force", f"--prefix={dest}/"], repo_dir, env)
+    _init_single_commit_repo(dest)
+
+
+def _copy_snapshot(src: str, dest: str) -> None:
+    shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True,
+                    ignore=lambda d, names: [".git"] if d == src else [])
+    _init_single_commit_repo(dest)
+
+
+def _init_single_commit_repo(folder: str) -> None:
+    identity = {"GIT_AUTHOR_NAME": "sluice", "GIT_AUTHOR_EMAIL": "sluice@localhost",
+                "GIT_COMMITTER_NAME": "sluice", "GIT_COMMITTER_EMAIL": "sluice@localhost",
+                "GIT_AUTHOR_DATE": BASE_DATE, "GIT_COMMITTER_DATE": BASE_DATE}
+    _git(["init", "--quiet", "--initial-branch=main"], folder)
+    # -f: files tracked at the base commit stay tracked even if .gitignore matches them.
+    _git(["add", "--all", "--force"], folder)
+    _git(["-c", "commit.gpgsign=false", "commit", "--quiet", "--no-verify", "--allow-empty",
+          "-m", "base"], folder, identity)
+
+
+def _folder_digest(folder: str) -> str:
+    """Identity of a plain snapshot folder: names, sizes and mtimes of its files."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if d != ".git")
+        for name in sorted(filenames):
+            st = os.lstat(os.path.join(dirpath, name))
+            rel = os.path.relpath(os.path.join(dirpath, name), folder)
+            h.update(f"{rel}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,58 @@
+"""`toy_arithmetic`: the quickstart's tool-use task set. Each task is an integer arithmetic
+expression too long to do reliably in one's head; the agent is meant to evaluate it with
+the `calculator` or `python` tool and reply with the number, which `reward.rules:
+ExactMatch` checks against the exact value.
+
+Generated deterministically from a seed (its own `random.Random`, never the global one),
+so a recipe names the set and every worker builds the same tasks.
+"""
+
+from __future__ import annotations
+
+import random
+
+from envs.tools.calculator import evaluate_arithmetic
+from rollout.types import Message, Task
+
+SET_NAME = "toy_arithmetic"
+DEFAULT_NUM_TASKS = 256
+DEFAULT_SEED = 0
+TOOLS = ("calculator", "python")
+SYSTEM_PROMPT = ("You are a careful assistant with tools. Use the calculator or python tool "
+                 "for arithmetic instead of computing in your head.")
+PROMPT = "What is {expression}? Reply with the final answer as 'Answer: <integer>'."
+
+
+def _operand(rng: random.Random) -> str:
+    value = rng.randint(2, 999)
+    return f"({value - rng.randint(1, 60)} + {rng.randint(1, 60)})" if rng.random() < 0.15 \
+        else str(value)
+
+
+def make_expression(rng: random.Random) -> tuple[str, int]:
+    """An expression of 3-5 operands with + - * and one pair of parentheses, and its value."""
+    num_operands = rng.randint(3, 5)
+    terms = [_operand(rng) for _ in range(num_operands)]
+    ops = [rng.choice(("+", "-", "*")) for _ in range(num_operands - 1)]
+    start = rng.randrange(num_operands - 1)
+    terms[start] = "(" + terms[start]
+    terms[start + 1] = terms[start + 1] + ")"
+    text = terms[0] + "".join(f" {op} {term}" for op, term in zip(ops, terms[1:]))
+    # The calculator tool's own evaluator: the answer is exactly what the tool would say.
+    return text, int(evaluate_arithmetic(text))
+
+
+def build_toy_arithmetic(num_tasks: int = DEFAULT_NUM_TASKS,
+                         seed: int = DEFAULT_SEED) -> list[Task]:
+    """`num_tasks` tasks, the same ones for the same seed."""
+    if num_tasks < 1:
+        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(num_tasks):
+        expression, value = make_expression(rng)
+        messages = (Message("system", SYSTEM_PROMPT),
+                    Message("user", PROMPT.format(expression=expression)))
+        tasks.append(Task(id=f"{SET_NAME}/{seed}/{i}", messages=messages, tools=TOOLS,
+                          answer=str(value), reward_fn="reward.rules:ExactMatch"))
+    return tasks

@@ -1,0 +1,128 @@
+"""The RewardFn plug-in point: what a reward function receives (trajectory, task, context),
+what it returns (RewardResult), and the import-string resolution with the built-ins.
+
+A RewardFn scores one terminal trajectory. It never sees the agent's live sandbox: the
+caller hands over the final assistant text and the agent's final workspace as values
+(RewardContext), so grading can run anywhere and the agent cannot act on it any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from envs.sandbox.base import Sandbox, SandboxSpec
+from reward.workspace import WorkspaceChanges
+from rollout.types import Task, Trajectory
+
+# Creates a fresh sandbox for grading (e.g. `LocalSandbox.create` or a pool's factory).
+SandboxFactory = Callable[[SandboxSpec], Awaitable[Sandbox]]
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """A score: the scalar GRPO trains on, named parts for metrics, and a human-readable
+    account of how it was reached (for transcripts; never parsed)."""
+
+    reward: float
+    components: Mapping[str, float] = field(default_factory=dict)
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
+            raise ValueError(f"RewardResult.reward must be a finite number, got {self.reward!r}")
+        components = {str(k): float(v) for k, v in dict(self.components).items()}
+        bad = [k for k, v in components.items() if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"RewardResult components {bad} are not finite")
+        object.__setattr__(self, "reward", float(self.reward))
+        object.__setattr__(self, "components", components)
+
+
+@dataclass(frozen=True, slots=True)
+class RewardContext:
+    """What the caller hands a RewardFn besides the trajectory and the task."""
+
+    final_text: str = ""  # the last assistant turn as text (see `last_model_text`)
+    workspace: WorkspaceChanges | None = None  # the agent's final workspace vs task.source_dir
+    create_sandbox: SandboxFactory | None = None  # grading sandboxes; None: LocalSandbox.create
+    timeout_s: float = 300.0  # reward.timeout_s: the whole computation must fit in it
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"RewardContext.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """Scores one trajectory. Expected failures of the agent (no answer, tests failing, a
+    crashed grading run) are results with reward 0 and a detail; exceptions are left for
+    broken tasks or configuration (the reward loop counts them)."""
+
+    async def __call__(self, trajectory: Trajectory, task: Task,
+                       ctx: RewardContext) -> RewardResult: ...
+
+
+# The built-ins by import string, with what each scores (resolved like any other).
+BUILTIN_REWARDS: dict[str, str] = {
+    "reward.rules:ExactMatch": "the final answer equals Task.answer",
+    "reward.rules:NumericMatch": "the final answer is within tolerance of Task.answer",
+    "reward.tests:HiddenTests": "the task's hidden / fail_to_pass / pass_to_pass tests pass",
+}
+
+
+def load_reward_fn(import_string: str) -> RewardFn:
+    """An instance of the RewardFn named by `package.module:Class` (a class or a factory
+    taking no arguments); ValueError says what is wrong and how to fix it."""
+    module_name, sep, attr = import_string.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward fn {import_string!r} is not an import string "
+                         f"'package.module:Class'; built-ins: {', '.join(BUILTIN_REWARDS)}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward fn {import_string!r}: cannot import {module_name!r} ({exc}); "
+                         f"built-ins: {', '.join(BUILTIN_REWARDS)}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward fn {import_string!r}: module {module_name} has no "
+                             f"attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward fn {import_string!r} is not a class or factory")
+    try:
+        instance = obj()
+    except TypeError as exc:
+        raise ValueError(f"reward fn {import_string!r} cannot be built without arguments "
+                         f"({exc}); give its parameters defaults or name a factory") from exc
+    call = getattr(instance, "__call__", None)
+    if not asyncio.iscoroutinefunction(call):
+        raise ValueError(f"reward fn {import_string!r} must define "
+                         "`async def __call__(self, trajectory, task, ctx) -> RewardResult`")
+    return instance
+
+
+def reward_fn_name(task: Task, default: str) -> str:
+    """The import string that scores `task`: its own `reward_fn`, else the recipe's."""
+    return task.reward_fn or default
+
+
+def last_model_text(trajectory: Trajectory, decode: Callable[[list[int]], str]) -> str:
+    """The text of the trajectory's last run of model-sampled tokens (its final assistant
+    turn), decoded by `decode` (e.g. a tokenizer's decode with skip_special_tokens=True).
+    Tool observations and the prompt never count: only what the model itself wrote."""
+    mask = trajectory.response_mask
+    model = np.flatnonzero(mask == 1)
+    if len(model) == 0:
+        return ""
+    end = int(model[-1]) + 1
+    start = end
+    while start > 0 and mask[start - 1] == 1:
+        start -= 1
+    return decode(trajectory.response_ids[start:end].tolist())

@@ -1,0 +1,348 @@
+"""Hidden-test grading end to end with real LocalSandboxes: every bundled code task's
+reference passes and its stub fails; a SWE-style repository (base commit, a later fix
+commit the agent must never see, a test patch) is graded right for the fix, no change,
+and the reward hacks a policy finds: editing the tests, faking pytest's output or a JUnit
+file, a conftest.py / pytest config that forces passes, and patching pytest in-process.
+
+Each "agent" works in its own sandbox made from the task source, exactly as a
+trajectory would; its final state reaches the grader only as a workspace snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from envs.sandbox.base import SandboxLimits, SandboxSpec
+from envs.tasks import load_tasks
+from envs.tasks.code import VISIBLE_TESTS_DIR, spec_by_name
+from reward.base import RewardContext, RewardResult, load_reward_fn
+from reward.tests import HiddenTests
+from reward.workspace import WorkspaceChanges
+from rollout.types import Task, Trajectory
+
+AGENT_LIMITS = SandboxLimits(memory_mb=512, max_processes=64, cpu_time_s=60)
+
+
+@pytest.fixture(autouse=True)
+def _needs_local_sandbox() -> None:
+    if os.geteuid() != 0 or shutil.which("bwrap") is None:
+        pytest.skip("LocalSandbox needs root and bubblewrap")
+
+
+async def run_agent(task: Task, files: Mapping[str, bytes] = {}, commands: tuple[str, ...] = (),
+                    delete: tuple[str, ...] = ()) -> WorkspaceChanges:
+    """Work as an agent would: a sandbox from the task source with the visible tests
+    copied in, files written, commands run; hand over its final state as a snapshot."""
+    from envs.sandbox.local import LocalSandbox
+
+    sandbox = await LocalSandbox.create(SandboxSpec(source_dir=task.source_dir, limits=AGENT_LIMITS))
+    try:
+        if task.visible_tests:
+            for path in Path(task.visible_tests).rglob("*.py"):
+                rel = path.relative_to(task.visible_tests).as_posix()
+                await sandbox.write_file(f"{VISIBLE_TESTS_DIR}/{rel}", path.read_bytes())
+        for path, data in files.items():
+            await sandbox.write_file(path, data)
+        for path in delete:
+            assert (await sandbox.exec(["rm", "--", path], 10)).exit_code == 0
+        for command in commands:
+            result = await sandbox.exec(command, 30)
+            assert result.exit_code == 0, result
+        snapshot = await sandbox.snapshot()
+    finally:
+        await sandbox.release()
+    try:
+        return WorkspaceChanges.from_snapshot(snapshot, task.source_dir)
+    finally:
+        snapshot.discard()
+
+
+async def grade(task: Task, changes: WorkspaceChanges) -> RewardResult:
+    reward_fn = load_reward_fn(task.reward_fn or "reward.tests:HiddenTests")
+    return await reward_fn(trajectory_of(task), task,
+                           RewardContext(workspace=changes, timeout_s=120))
+
+
+def trajectory_of(task: Task) -> Trajectory:
+    """A finished trajectory (its tokens do not matter to test grading)."""
+    return Trajectory(task_id=task.id, group_id="g", index=0, prompt_ids=[1], response_ids=[2],
+                      response_mask=[1], logprobs=[-0.5], versions=[0], termination="finished")
+
+
+# --- bundled code tasks ------------------------------------------------------------
+
+async def test_every_code_task_reference_passes_and_stub_fails(tmp_path: Path) -> None:
+    tasks = load_tasks("code_functions", cache_dir=str(tmp_path))
+    assert len(tasks) >= 30
+    limit = asyncio.Semaphore(3)
+
+    async def check(task: Task) -> list[str]:
+        spec = spec_by_name(task.id)
+        async with limit:
+            solved = await grade(task, await run_agent(task, {spec.module: spec.reference.encode()}))
+            unsolved = await grade(task, WorkspaceChanges())
+        problems = []
+        if solved.reward != 1.0 or solved.components["tests_passed_frac"] != 1.0:
+            problems.append(f"{task.id} reference: {solved.detail}")
+        if unsolved.reward != 0.0 or unsolved.components["tests_passed_frac"] != 0.0:
+            problems.append(f"{task.id} stub: {unsolved.detail}")
+        if solved.components["reverted_changes"] != 0.0:  # the copied visible tests are no change
+            problems.append(f"{task.id}: visible tests counted as a change")
+        return problems
+
+    results = await asyncio.gather(*(check(t) for t in tasks))
+    assert [p for problems in results for p in problems] == []
+
+
+async def test_partially_right_code_gets_partial_credit_only_when_asked(tmp_path: Path) -> None:
+    task = next(t for t in load_tasks("code_functions", cache_dir=str(tmp_path))
+                if t.id.endswith("/shift_letters"))
+    # Right for lower case only: some hidden tests pass, some fail.
+    wrong = (b"def shift_letters(text, k):\n    return ''.join(chr((ord(c) - 97 + k) % 26 + 97)"
+             b" if c.islower() else c for c in text)\n")
+    changes = await run_agent(task, {"shift.py": wrong})
+    binary = await grade(task, changes)
+    partial_fn = HiddenTests(partial_credit=True)
+    partial = await partial_fn(trajectory_of(task), task, RewardContext(workspace=changes))
+    assert binary.reward == 0.0
+    assert 0.0 < partial.reward < 1.0
+    assert partial.reward == partial.components["tests_passed_frac"]
+
+
+FORGED_REPORT = ('<testsuites><testsuite><testcase classname="_sluice_hidden.test_rle_hidden" '
+                 'name="test_empty"/></testsuite></testsuites>')
+REPORT_PATH = "[a.split('=', 1)[1] for a in sys.argv if a.startswith('--junitxml=')][0]"
+CODE_HACKS = {
+    # A conftest hook, a pytest.ini loading a plugin module and start-up hooks: all dropped,
+    # and the source has no conftest, so pytest runs with --noconftest anyway.
+    "config": {"conftest.py": b"import pytest\n@pytest.hookimpl(hookwrapper=True)\n"
+                              b"def pytest_runtest_makereport(item, call):\n"
+                              b"    (yield).get_result().outcome = 'passed'\n",
+               "pytest.ini": b"[pytest]\naddopts = -p forcepass\n",
+               "forcepass.py": b"def pytest_collection_modifyitems(items):\n    items.clear()\n",
+               "sitecustomize.py": b"import os\nos._exit(0)\n",
+               "hook.pth": b"import os; os._exit(0)\n"},
+    # Exit "successfully" before pytest writes its report.
+    "exit_early": {"rle.py": b"import os\nos._exit(0)\n"},
+    # Kill the driver that would report the result.
+    "kill_driver": {"rle.py": b"import os\nos.kill(os.getppid(), 9)\n"},
+    # A daemon that keeps rewriting the report file pytest was told to write.
+    "rewrite_report": {"rle.py": (
+        f"import os, sys, time\npath = {REPORT_PATH}\n"
+        "if os.fork() == 0:\n    os.setsid()\n    while True:\n        time.sleep(0.005)\n"
+        f"        if os.path.exists(path):\n            open(path, 'w').write({FORGED_REPORT!r})\n"
+        "def rle_encode(text):\n    return ''\n").encode()},
+    # The same from inside the test process, after pytest wrote it: deterministic.
+    "rewrite_report_at_exit": {"rle.py": (
+        f"import atexit, sys\npath = {REPORT_PATH}\n"
+        f"atexit.register(lambda: open(path, 'w').write({FORGED_REPORT!r}))\n"
+        "def rle_encode(text):\n    return ''\n").encode()},
+}
+
+
+@pytest.mark.parametrize("hack", sorted(CODE_HACKS))
+async def test_code_task_hacks_score_zero(tmp_path: Path, hack: str) -> None:
+    task = next(t for t in load_tasks("code_functions", cache_dir=str(tmp_path))
+                if t.id.endswith("/run_length_encode"))
+    result = await grade(task, await run_agent(task, CODE_HACKS[hack]))
+    assert result.reward == 0.0, result.detail
+    assert result.components["tests_passed_frac"] == 0.0
+    if hack == "rewrite_report_at_exit":
+        assert result.components["tamper_detected"] == 1.0
+
+
+# --- a SWE-style repository --------------------------------------------------------
+
+BASE_FILES = {
+    "calc/__init__.py": "",
+    "calc/ops.py": ("def add(a, b):\n    return a + b\n\n\n"
+                    "def mean(values):\n    return sum(values) / len(values)\n"),
+    "tests/__init__.py": "",
+    "tests/helpers.py": "def close(a, b):\n    return abs(a - b) < 1e-9\n",
+    "tests/test_ops.py": ("from calc.ops import add, mean\n\n\n"
+                          "def test_add():\n    assert add(2, 3) == 5\n\n\n"
+                          "def test_mean(numbers):\n    assert mean(numbers) == 2\n"),
+    # A legitimate repository conftest: the tests need its fixture.
+    "conftest.py": "import pytest\n\n\n@pytest.fixture\ndef numbers():\n    return [1, 2, 3]\n",
+    "setup.cfg": "[tool:pytest]\nfilterwarnings = error\n",
+}
+FIXED_OPS = ("def add(a, b):\n    return a + b\n\n\ndef mean(values):\n"
+             "    if not values:\n        return 0.0\n    return sum(values) / len(values)\n")
+NEW_TEST = ("\n\ndef test_mean_of_nothing_is_zero():\n    from tests.helpers import close\n\n"
+            "    assert close(mean([]), 0.0)\n")
+F2P = "tests/test_ops.py::test_mean_of_nothing_is_zero"
+P2P = ("tests/test_ops.py::test_add", "tests/test_ops.py::test_mean")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(repo), "GIT_CONFIG_GLOBAL": os.devnull,
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                          text=True).stdout
+
+
+@pytest.fixture
+def swe_task(tmp_path: Path) -> tuple[Task, str]:
+    """A task loaded through the SWE adapter, and the fix commit's id."""
+    repo = tmp_path / "upstream"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    for rel, text in BASE_FILES.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "base")
+    base = _git(repo, "rev-parse", "HEAD").strip()
+    (repo / "calc/ops.py").write_text(FIXED_OPS)
+    (repo / "tests/test_ops.py").write_text(BASE_FILES["tests/test_ops.py"] + NEW_TEST)
+    _git(repo, "commit", "-q", "-am", "fix mean of an empty list")
+    fix = _git(repo, "rev-parse", "HEAD").strip()
+    test_patch = _git(repo, "diff", base, fix, "--", "tests")
+    row = {"instance_id": "demo__calc-1", "repo": "demo/calc", "repo_dir": "upstream",
+           "base_commit": base, "problem_statement": "mean([]) raises ZeroDivisionError; it "
+           "should return 0.0.", "test_patch": test_patch, "FAIL_TO_PASS": json.dumps([F2P]),
+           "PASS_TO_PASS": json.dumps(list(P2P)), "patch": _git(repo, "diff", base, fix, "--", "calc")}
+    (tmp_path / "swe.jsonl").write_text(json.dumps(row) + "\n")
+    [task] = load_tasks(str(tmp_path / "swe.jsonl"), cache_dir=str(tmp_path / "cache"))
+    return task, fix
+
+
+async def test_agent_copy_holds_no_later_commit(swe_task: tuple[Task, str]) -> None:
+    task, fix = swe_task
+    changes = await run_agent(task, commands=(
+        "test \"$(git log --all --oneline | wc -l)\" = 1",
+        f"! git cat-file -e {fix}",
+        "! grep -rq 'if not values' --exclude-dir=.git .",
+        "! git log --all -p | grep -q 'mean_of_nothing'",
+        "git status --porcelain | (! grep -q .)"))
+    assert changes.written == {} and changes.deleted == ()
+
+
+async def test_correct_fix_passes(swe_task: tuple[Task, str]) -> None:
+    task, _ = swe_task
+    result = await grade(task, await run_agent(task, {"calc/ops.py": FIXED_OPS.encode()}))
+    assert result.reward == 1.0, result.detail
+    assert result.components["fail_to_pass_frac"] == 1.0
+    assert result.components["pass_to_pass_frac"] == 1.0
+    assert result.components["locked"] == 1.0
+
+
+async def test_no_change_fails(swe_task: tuple[Task, str]) -> None:
+    task, _ = swe_task
+    result = await grade(task, await run_agent(task))
+    assert result.reward == 0.0
+    assert result.components["fail_to_pass_frac"] == 0.0
+    assert result.components["pass_to_pass_frac"] == 1.0
+
+
+async def test_editing_the_tests_is_reverted(swe_task: tuple[Task, str]) -> None:
+    task, _ = swe_task
+    # The agent writes the F2P test itself, trivially passing, and breaks a P2P test's check.
+    fake_tests = (BASE_FILES["tests/test_ops.py"].replace("== 5", "== add(2, 3)")
+                  + "\n\ndef test_mean_of_nothing_is_zero():\n    assert True\n")
+    result = await grade(task, await run_agent(task, {"tests/test_ops.py": fake_tests.encode()}))
+    assert result.reward == 0.0
+    assert result.components["fail_to_pass_frac"] == 0.0
+    assert result.components["reverted_changes"] == 1.0
+
+
+async def test_fake_passed_lines_and_junit_files_are_ignored(swe_task: tuple[Task, str]) -> None:
+    task, _ = swe_task
+    fake_line = "".join(f"PASSED {t}\\n" for t in (F2P, *P2P))
+    ops = BASE_FILES["calc/ops.py"] + f"\nprint('{fake_line}', end='')\n"
+    fake_junit = (f'<testsuites><testsuite><testcase classname="tests.test_ops" '
+                  f'name="test_mean_of_nothing_is_zero"/></testsuite></testsuites>').encode()
+    files = {"calc/ops.py": ops.encode(), "report.xml": fake_junit, "junit.xml": fake_junit,
+             ".sluice_grading/out/report.xml": fake_junit}
+    result = await grade(task, await run_agent(task, files))
+    assert result.reward == 0.0
+    assert result.components["fail_to_pass_frac"] == 0.0
+
+
+async def test_conftest_and_config_that_force_passes_are_dropped(swe_task: tuple[Task, str]) -> None:
+    task, _ = swe_task
+    force = ("import pytest\n\n\n@pytest.fixture\ndef numbers():\n    return [1, 2, 3]\n\n\n"
+             "@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+             "    outcome = yield\n    report = outcome.get_result()\n"
+             "    report.outcome = 'passed'\n    report.longrepr = None\n")
+    files = {"conftest.py": force.encode(),  # the repo's own conftest, hooked
+             "calc/conftest.py": force.encode(),  # a new one next to the code
+             "pytest.ini": b"[pytest]\naddopts = -p calc.forcepass\n",
+             "calc/forcepass.py": force.encode()}
+    result = await grade(task, await run_agent(task, files))
+    assert result.reward == 0.0, result.detail
+    assert result.components["fail_to_pass_frac"] == 0.0
+    assert result.components["pass_to_pass_frac"] == 1.0  # the real conftest still serves
+    assert result.components["reverted_changes"] == 3.0
+
+
+async def test_patching_pytest_from_the_code_is_detected(swe_task: tuple[Task, str]) -> None:
+    task, _ = swe_task
+    hack = BASE_FILES["calc/ops.py"] + (
+        "\nimport _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n")
+    result = await grade(task, await run_agent(task, {"calc/ops.py": hack.encode()}))
+    assert result.reward == 0.0
+    assert result.components["tamper_detected"] == 1.0
+
+
+async def test_swapping_test_files_during_the_run_is_blocked(swe_task: tuple[Task, str]) -> None:
+    task, _ = swe_task
+    swap = BASE_FILES["calc/ops.py"] + (
+        "\nimport os\ntry:\n"
+        "    os.rename('/workspace/tests', '/workspace/old_tests')\n"
+        "except OSError:\n    pass\n")
+    result = await grade(task, await run_agent(task, {"calc/ops.py": swap.encode()}))
+    assert result.reward == 0.0
+    assert result.components["tamper_detected"] == 0.0
+    assert result.components["pass_to_pass_frac"] == 1.0  # the rename failed: tests ran
+
+
+class UnlockableSandbox:
+    """A LocalSandbox seen through the Sandbox protocol only (no host workspace path), as a
+    remote or container backend would be: grading cannot lock files and must rely on the
+    driver's checks after the run."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name == "workspace_dir":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("lockable", [True, False])
+async def test_rewriting_a_test_helper_during_the_run_fails(swe_task: tuple[Task, str],
+                                                            lockable: bool) -> None:
+    from envs.sandbox.local import LocalSandbox
+
+    task, _ = swe_task
+    # A wrong fix (nan for an empty list) that a rewritten `close` would let pass.
+    hack = BASE_FILES["calc/ops.py"].replace(
+        "return sum(values) / len(values)",
+        "return sum(values) / len(values) if values else float('nan')") + (
+        "\ntry:\n    with open('/workspace/tests/helpers.py', 'w') as f:\n"
+        "        f.write('def close(a, b):\\n    return True\\n')\n"
+        "except OSError:\n    pass\n")
+
+    async def create(spec: SandboxSpec) -> object:
+        sandbox = await LocalSandbox.create(spec)
+        return sandbox if lockable else UnlockableSandbox(sandbox)
+
+    changes = await run_agent(task, {"calc/ops.py": hack.encode()})
+    ctx = RewardContext(workspace=changes, create_sandbox=create, timeout_s=120)  # type: ignore[arg-type]
+    result = await HiddenTests()(trajectory_of(task), task, ctx)
+    assert result.reward == 0.0, result.detail
+    assert result.components["locked"] == float(lockable)
+    # Locked: the write is refused and the test fails honestly. Unlocked: the rewrite
+    # happens, and the driver finds it.
+    assert result.components["tamper_detected"] == float(not lockable)
