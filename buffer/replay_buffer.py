@@ -121,6 +121,13 @@ class ReplayBuffer:
         self._groups.append(group)
         return "buffered"
 
+    def drop_running(self, reason: str) -> None:
+        """A running group that will never come back (its worker died, its reward failed)."""
+        if self._running <= 0:
+            raise AccountingError("drop_running called but no group is running")
+        self._running -= 1
+        self._dropped[reason] += 1
+
     def _drop(self, reason: DropReason) -> PutOutcome:
         self._running -= 1
         self._dropped[reason] += 1
@@ -146,6 +153,15 @@ class ReplayBuffer:
             else:
                 keep.append(group)
         self._groups = keep
+
+    def buffered_groups(self) -> list[Group]:
+        """The terminal groups waiting for the trainer (for checkpoints)."""
+        return list(self._groups)
+
+    def restore(self, groups: list[Group]) -> None:
+        """Put checkpointed groups back; they count as admitted and buffered."""
+        self._groups.extend(groups)
+        self._admitted += len(groups)
 
     def __len__(self) -> int:
         return len(self._groups)

@@ -89,13 +89,19 @@ async def _call(method: Any, *args: Any) -> Any:
         raise
 
 
-async def start_sandbox_pools(envs: EnvsConfig, **actor_options: Any) -> RaySandboxProvider:
-    """Start `envs.num_sandbox_workers` pool actors, wait for their warm sandboxes, and
-    return the provider over them."""
+async def start_sandbox_pools(envs: EnvsConfig, placement_group: Any | None = None,
+                              **actor_options: Any) -> RaySandboxProvider:
+    """Start `envs.num_sandbox_workers` pool actors (bundle i of the sandbox pool each, when
+    given), wait for their warm sandboxes, and return the provider over them."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     handles = {}
     for i in range(envs.num_sandbox_workers):
         name = f"sandbox-pool-{i}"
-        options = {"num_cpus": envs.cpus_per_sandbox_worker, **actor_options}
+        options: dict[str, Any] = {"num_cpus": envs.cpus_per_sandbox_worker, **actor_options}
+        if placement_group is not None:  # the bundle reserves CPUs and the sandbox resource
+            options.update(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=i))
         handles[name] = SandboxPoolActor.options(**options).remote(envs, name)
     for handle in handles.values():
         await handle.start.remote()

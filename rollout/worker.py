@@ -142,9 +142,11 @@ BUILTIN_TOOLS: dict[str, str] = {"calculator": "envs.tools.calculator:Calculator
 
 
 def build_agent_worker(cfg: "SluiceConfig", model_path: str, engines: Mapping[str, Any],
-                       tool_factories: Mapping[str, ToolFactory] | None = None) -> AgentLoopWorker:
+                       tool_factories: Mapping[str, ToolFactory] | None = None,
+                       sandbox_provider: Any | None = None) -> AgentLoopWorker:
     """An AgentLoopWorker for the recipe: tokenizer and continuity builder of the policy,
-    a sticky router over `engines`, and the built-in tools unless `tool_factories` is given."""
+    a sticky router over `engines`, the in-process built-in tools, and the sandbox tools
+    over `sandbox_provider` when one is given (unless `tool_factories` replaces them all)."""
     from transformers import AutoTokenizer
 
     from rollout.chat import build_continuity_builder
@@ -153,6 +155,14 @@ def build_agent_worker(cfg: "SluiceConfig", model_path: str, engines: Mapping[st
     chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking)
     if tool_factories is None:
         tool_factories = {name: load_tool(path) for name, path in BUILTIN_TOOLS.items()}
+        if sandbox_provider is not None:
+            from envs.tools.sandbox_tools import (build_sandbox_tool_factories,
+                                                  build_sandbox_tool_settings)
+
+            count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+            settings = build_sandbox_tool_settings(cfg.envs, count_tokens=count)
+            tool_factories = {**tool_factories,
+                              **build_sandbox_tool_factories(sandbox_provider, settings)}
     router = Router(dict(engines), max_sessions=cfg.rollout.num_router_sessions,
                     request_timeout_s=cfg.rollout.request_timeout_s)
     return AgentLoopWorker(default_loop=cfg.agent.loop, settings=LoopSettings.from_config(cfg),

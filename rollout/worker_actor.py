@@ -13,11 +13,17 @@ from rollout.worker import WorkerStats, build_agent_worker
 
 @ray.remote(max_concurrency=100_000)
 class AgentWorkerActor:
-    def __init__(self, cfg: Any, model_path: str, engine_handles: dict[str, Any]) -> None:
+    def __init__(self, cfg: Any, model_path: str, engine_handles: dict[str, Any],
+                 sandbox_handles: dict[str, Any] | None = None) -> None:
         from rollout.engine_actor import RayEngineClient
 
         engines = {name: RayEngineClient(h) for name, h in engine_handles.items()}
-        self.worker = build_agent_worker(cfg, model_path, engines)
+        provider = None
+        if sandbox_handles:
+            from envs.pool_actor import RaySandboxProvider
+
+            provider = RaySandboxProvider(sandbox_handles)
+        self.worker = build_agent_worker(cfg, model_path, engines, sandbox_provider=provider)
 
     async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
         return await self.worker.run_group(task, group_id, group_size)

@@ -1,9 +1,8 @@
 """Entry point: `python -m trainer.main recipe=NAME.yaml [section.key=value ...] [--dry-run]`.
 
 Reads the recipe, checks it against the schema before anything heavy starts, prints the
-resolved config and the resource-pool plan, then (without --dry-run) places the pools on
-the Ray cluster. The training loop itself arrives with the controller (issue 6); until
-then the main job stops after placing the pools and says so.
+resolved config and the resource-pool plan, then (without --dry-run) builds the system
+and trains (trainer.system, trainer.controller).
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 
 from trainer.config import SluiceConfig, iter_fields
 from trainer.pools import format_pool_plan, plan_pools
@@ -73,19 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     if dry_run:
         return 0
 
-    from trainer.pools import build_pools, connect_cluster, release_pools  # Ray from here on
+    import asyncio
 
-    if cfg.model.path == "tiny":
-        from launch.tiny_model import ensure_tiny_model
+    from trainer.system import run  # Ray, vLLM, DeepSpeed from here on
 
-        print(f"tiny model: {ensure_tiny_model()}")
-    connect_cluster(cfg)
-    placed = build_pools(cfg, pools)
-    print(f"placed pools: {', '.join(placed)}")
-    release_pools(placed)
-    print("The training loop (controller, rollout, trainer) is not built yet: it lands with "
-          "issue 6. Stopping after checking the recipe and placing its pools; nothing was trained.")
+    summary, run_dir = asyncio.run(run(cfg, Path(recipe or "run").stem))
+    first, last = _mean_head_tail(summary.rewards_per_step)
+    print(f"\ndone: {summary.steps} steps in {summary.seconds:.0f}s; mean reward first steps "
+          f"{first:.3f}, last steps {last:.3f}; groups admitted {summary.admitted}, trained "
+          f"{summary.trained}, dropped {summary.dropped}, in flight at the end {summary.running}, "
+          f"buffered at the end {summary.buffered}")
+    print(f"run folder:  {run_dir}\nmetrics:     {run_dir / 'metrics.jsonl'}\n"
+          f"transcripts: {run_dir / 'transcripts.jsonl'}\nwandb:       {run_dir / 'wandb'} "
+          f"(offline runs: `wandb sync {run_dir / 'wandb'}/offline-run-*`)")
     return 0
+
+
+def _mean_head_tail(values: tuple[float, ...], k: int = 5) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    k = max(1, min(k, len(values) // 2 or 1))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class ConsoleSink:
         self._console = Console(highlight=False)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        parts = [f"{k.split('/', 1)[1]}={metrics[k]:.3g}" for k in self.KEYS if k in metrics]
+        parts = [f"{k}={metrics[k]:.3g}" for k in self.KEYS if k in metrics]
         self._console.print(f"[bold]step {step}[/bold] " + "  ".join(parts))
 
     def close(self) -> None:

@@ -91,3 +91,13 @@ def test_accounting_catches_a_group_that_was_never_admitted():
     buf = ReplayBuffer(max_staleness=1, groups_per_step=1)
     with pytest.raises(AccountingError, match="none was running"):
         buf.put(group("x"))
+
+
+def test_a_lost_running_group_is_counted_as_dropped():
+    buf = ReplayBuffer(max_staleness=1, groups_per_step=1)
+    buf.try_admit(0)
+    buf.drop_running("group_failed:RayActorError")
+    assert buf.stats().dropped == {"group_failed:RayActorError": 1}
+    buf.check_accounting()
+    with pytest.raises(AccountingError):
+        buf.drop_running("again")

@@ -1,0 +1,128 @@
+"""Builds a whole run from a checked config and runs it: model (and warm start), Ray
+pools, engines, sandbox pools, agent workers, train ranks, reward loop, metrics sinks,
+the controller, checkpoints and Ctrl-C. `trainer.main` calls `run(cfg)`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from trainer.config import SluiceConfig
+from trainer.controller import Controller, RunSummary
+from trainer.metrics import ConsoleSink, JsonlSink, MetricsLogger, MetricsSink, WandbSink
+
+log = logging.getLogger(__name__)
+
+
+def resolve_run_dir(cfg: SluiceConfig, recipe_name: str) -> Path:
+    name = cfg.logging.run_name or f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.logging.output_dir).resolve() / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def resolve_model(cfg: SluiceConfig, tasks: list) -> str:
+    """The policy folder: model.path (the tiny model is built on first use), after the
+    warm start when model.warm_start_steps > 0."""
+    from launch.tiny_model import default_cache_dir, ensure_tiny_model
+
+    base = ensure_tiny_model() if cfg.model.path == "tiny" else Path(cfg.model.path)
+    if cfg.model.warm_start_steps <= 0:
+        return str(base)
+    if cfg.envs.tasks != "toy_arithmetic":
+        raise ValueError("model.warm_start_steps has demonstrations only for "
+                         "envs.tasks=toy_arithmetic; set model.warm_start_steps=0")
+    from trainer.warm_start import warm_start_model
+
+    return str(warm_start_model(base, tasks, steps=cfg.model.warm_start_steps,
+                                max_observation_tokens=cfg.envs.max_observation_tokens,
+                                cache_root=default_cache_dir() / "models"))
+
+
+def build_sinks(cfg: SluiceConfig, run_dir: Path) -> list[MetricsSink]:
+    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    if cfg.logging.wandb_mode != "disabled":
+        sinks.append(WandbSink(cfg.logging.project, run_dir.name, run_dir, cfg.logging.wandb_mode,
+                               asdict(cfg)))
+    if cfg.logging.console:
+        sinks.append(ConsoleSink())
+    return sinks
+
+
+async def run(cfg: SluiceConfig, recipe_name: str = "run",
+              on_batch: Callable[[list, int], None] | None = None) -> tuple[RunSummary, Path]:
+    import ray
+    from transformers import AutoTokenizer
+
+    from envs.pool_actor import start_sandbox_pools
+    from envs.tasks import load_tasks
+    from reward.loop import RewardLoop
+    from rollout.engine import EngineSpec
+    from rollout.engine_actor import start_engines
+    from rollout.router import Router
+    from rollout.worker_actor import AgentWorkerActor
+    from trainer.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
+    from trainer.pools import build_pools, connect_cluster
+    from trainer.train_actor import TrainGroup
+    from trainer.weight_sync import resolve_transport
+
+    resolve_transport(cfg)
+    run_dir = resolve_run_dir(cfg, recipe_name)
+    tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
+    model_path = resolve_model(cfg, tasks)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    connect_cluster(cfg)
+    placed = build_pools(cfg)
+    engines = await start_engines(EngineSpec.from_config(cfg, model_path), cfg.rollout.num_engines,
+                                  placed["rollout"])
+    sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
+    workers = [AgentWorkerActor.options(num_cpus=cfg.rollout.cpus_per_agent_worker).remote(
+        cfg, model_path, {n: c.handle for n, c in engines.items()}, sandboxes.handles)
+        for _ in range(cfg.rollout.num_agent_workers)]
+    trainer = TrainGroup(cfg, model_path, placed["train"])
+    rewards = RewardLoop(cfg.reward.fn, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                         timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency)
+    checkpoints = run_dir / "checkpoints"
+    state = RunState(step=0, data_cursor=0)
+    resume = cfg.checkpoint.resume_from
+    if resume:
+        path = latest_checkpoint(checkpoints) if resume == "latest" else Path(resume)
+        if path is None:
+            raise ValueError(f"checkpoint.resume_from=latest but {checkpoints} has no checkpoint")
+        state = await asyncio.to_thread(load_checkpoint, path, trainer)
+    logger = MetricsLogger(build_sinks(cfg, run_dir))
+    controller = Controller(cfg, tasks=tasks, workers=workers, router=Router(engines), trainer=trainer,
+                            score_group=rewards.score_group, logger=logger, run_dir=run_dir,
+                            tokenizer=tokenizer, start_version=state.step,
+                            data_cursor=state.data_cursor, pending_tasks=state.in_flight_tasks,
+                            buffered_groups=state.buffered_groups)
+    if resume and state.step > 0:
+        from trainer.weight_sync import push_weights
+
+        await push_weights(controller.router, await trainer.state_dict_for_push(), state.step)
+
+    def snapshot() -> RunState:
+        return RunState(step=controller.version, data_cursor=controller.cursor,
+                        buffered_groups=controller.buffer.buffered_groups(),
+                        in_flight_tasks=controller.in_flight_tasks())
+
+    async def on_step(step: int) -> None:
+        every = cfg.checkpoint.every_steps
+        if every and step % every == 0:
+            await asyncio.to_thread(save_checkpoint, checkpoints, trainer, snapshot(),
+                                    cfg.checkpoint.keep_last)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, controller.stop)
+    try:
+        summary = await controller.run(on_step, on_batch)
+        await asyncio.to_thread(save_checkpoint, checkpoints, trainer, snapshot(),
+                                cfg.checkpoint.keep_last)
+    finally:
+        logger.close()
+        ray.shutdown()
+    return summary, run_dir
