@@ -19,10 +19,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(run_dir: Path, *args: str) -> tuple[int, list[dict]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A fresh process group: earlier in-process DeepSpeed tests leave RANK/MASTER_PORT set
+    # in this process, and the child would collide with the port they still hold.
+    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars} | {"PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=ROOT)
+                          text=True, timeout=600, env=env, cwd=ROOT)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode not in (0, -9):
+        pytest.fail(f"resume_run.py {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc.returncode, rows
 
 
