@@ -55,7 +55,7 @@ class ModelConfig:
     max_context_tokens: int = knob(4096, "Longest sequence (prompt + all turns) an engine "
                                    "accepts and the trainer packs.")
     warm_start_steps: int = knob(0, "Supervised steps on the task set's demonstrations before "
-                                 "RL (toy_arithmetic only); 0: start from model.path as is.")
+                                 "RL (the toy_arithmetic sets only); 0: start from model.path as is.")
 
 
 @dataclass(frozen=True, slots=True)

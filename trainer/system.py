@@ -26,7 +26,7 @@ def resolve_run_dir(cfg: SluiceConfig, recipe_name: str) -> Path:
     return run_dir
 
 
-def resolve_model(cfg: SluiceConfig, tasks: list) -> str:
+def resolve_model(cfg: SluiceConfig) -> str:
     """The policy folder: model.path (the tiny model is built on first use), after the
     warm start when model.warm_start_steps > 0."""
     from launch.tiny_model import default_cache_dir, ensure_tiny_model
@@ -34,12 +34,9 @@ def resolve_model(cfg: SluiceConfig, tasks: list) -> str:
     base = ensure_tiny_model() if cfg.model.path == "tiny" else Path(cfg.model.path)
     if cfg.model.warm_start_steps <= 0:
         return str(base)
-    if cfg.envs.tasks != "toy_arithmetic":
-        raise ValueError("model.warm_start_steps has demonstrations only for "
-                         "envs.tasks=toy_arithmetic; set model.warm_start_steps=0")
     from trainer.warm_start import warm_start_model
 
-    return str(warm_start_model(base, tasks, steps=cfg.model.warm_start_steps,
+    return str(warm_start_model(base, cfg.envs.tasks, steps=cfg.model.warm_start_steps,
                                 max_observation_tokens=cfg.envs.max_observation_tokens,
                                 cache_root=default_cache_dir() / "models"))
 
@@ -74,7 +71,7 @@ async def run(cfg: SluiceConfig, recipe_name: str = "run",
     resolve_transport(cfg)
     run_dir = resolve_run_dir(cfg, recipe_name)
     tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
-    model_path = resolve_model(cfg, tasks)
+    model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     connect_cluster(cfg)
     placed = build_pools(cfg)

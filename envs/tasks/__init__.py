@@ -20,12 +20,14 @@ from envs.tasks.code import build_code_tasks
 from envs.tasks.rows import read_rows, task_from_row
 from envs.tasks.swe import is_swe_row, swe_task_from_row
 from envs.tasks.toy import SET_NAME as TOY_SET
-from envs.tasks.toy import build_toy_arithmetic
+from envs.tasks.toy import EASY_SET_NAME as TOY_EASY_SET
+from envs.tasks.toy import build_toy_arithmetic, build_toy_arithmetic_easy
 from rollout.types import Task
 
 # Built-in set name -> (its format, how it is built from a cache folder).
 BUILTIN_SETS: dict[str, tuple[str, Callable[[str], list[Task]]]] = {
     TOY_SET: ("toy", lambda cache_dir: build_toy_arithmetic()),
+    TOY_EASY_SET: ("toy", lambda cache_dir: build_toy_arithmetic_easy()),
     CODE_SET: ("code", build_code_tasks),
 }
 FORMATS = ("auto", "toy", "code", "swe", "jsonl", "parquet")

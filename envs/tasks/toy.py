@@ -15,6 +15,9 @@ from envs.tools.calculator import evaluate_arithmetic
 from rollout.types import Message, Task
 
 SET_NAME = "toy_arithmetic"
+# Two operands below 100, python tool only: what the quickstart's 0.5M-parameter model can
+# learn to solve on a CPU in minutes (it must copy the expression into a tool call).
+EASY_SET_NAME = "toy_arithmetic_easy"
 DEFAULT_NUM_TASKS = 256
 DEFAULT_SEED = 0
 TOOLS = ("calculator", "python")
@@ -54,5 +57,27 @@ def build_toy_arithmetic(num_tasks: int = DEFAULT_NUM_TASKS,
         messages = (Message("system", SYSTEM_PROMPT),
                     Message("user", PROMPT.format(expression=expression)))
         tasks.append(Task(id=f"{SET_NAME}/{seed}/{i}", messages=messages, tools=TOOLS,
+                          answer=str(value), reward_fn="reward.rules:ExactMatch"))
+    return tasks
+
+
+def make_easy_expression(rng: random.Random) -> tuple[str, int]:
+    """`a op b` with a, b in [2, 99]."""
+    text = f"{rng.randint(2, 99)} {rng.choice(('+', '-', '*'))} {rng.randint(2, 99)}"
+    return text, int(evaluate_arithmetic(text))
+
+
+def build_toy_arithmetic_easy(num_tasks: int = DEFAULT_NUM_TASKS, seed: int = DEFAULT_SEED
+                              ) -> list[Task]:
+    """The easy variant (see EASY_SET_NAME); same prompt format and reward as the full set."""
+    if num_tasks < 1:
+        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(num_tasks):
+        expression, value = make_easy_expression(rng)
+        messages = (Message("system", SYSTEM_PROMPT),
+                    Message("user", PROMPT.format(expression=expression)))
+        tasks.append(Task(id=f"{EASY_SET_NAME}/{seed}/{i}", messages=messages, tools=("python",),
                           answer=str(value), reward_fn="reward.rules:ExactMatch"))
     return tasks

@@ -136,7 +136,7 @@ def test_code_task_set_layout(tmp_path: Path) -> None:
     tasks = load_tasks("code_functions", cache_dir=str(tmp_path))
     specs = {s.name: s for s in all_specs()}
     assert len(tasks) == len(specs) >= 30
-    assert set(BUILTIN_SETS) == {"toy_arithmetic", "code_functions"}
+    assert set(BUILTIN_SETS) == {"toy_arithmetic", "toy_arithmetic_easy", "code_functions"}
     for task in tasks:
         spec = specs[task.id.split("/", 1)[1]]
         assert task.reward_fn == "reward.tests:HiddenTests"
@@ -152,3 +152,15 @@ def test_code_task_set_layout(tmp_path: Path) -> None:
     # Content-addressed: loading again reuses the same folders.
     assert [t.source_dir for t in load_tasks("code_functions", cache_dir=str(tmp_path))] == \
         [t.source_dir for t in tasks]
+
+
+def test_easy_toy_set_is_deterministic_two_operand_python_tasks() -> None:
+    from envs.tasks.toy import build_toy_arithmetic_easy
+
+    a, b = build_toy_arithmetic_easy(16, seed=3), build_toy_arithmetic_easy(16, seed=3)
+    assert a == b and all(t.tools == ("python",) for t in a)
+    for t in a:
+        expression = t.messages[-1].content.split("What is ")[1].split("?")[0]
+        left, op, right = expression.split(" ")
+        assert op in "+-*" and 2 <= int(left) <= 99 and 2 <= int(right) <= 99
+        assert int(t.answer) == eval(expression)  # noqa: S307 - test-generated arithmetic
