@@ -9,7 +9,6 @@ caller hands over the final assistant text and the agent's final workspace as va
 from __future__ import annotations
 
 import asyncio
-import importlib
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import numpy as np
 from envs.sandbox.base import Sandbox, SandboxSpec
 from reward.workspace import WorkspaceChanges
 from rollout.types import Task, Trajectory
+from trainer.config import resolve_import_string
 
 # Creates a fresh sandbox for grading (e.g. `LocalSandbox.create` or a pool's factory).
 SandboxFactory = Callable[[SandboxSpec], Awaitable[Sandbox]]
@@ -80,20 +80,7 @@ BUILTIN_REWARDS: dict[str, str] = {
 def load_reward_fn(import_string: str) -> RewardFn:
     """An instance of the RewardFn named by `package.module:Class` (a class or a factory
     taking no arguments); ValueError says what is wrong and how to fix it."""
-    module_name, sep, attr = import_string.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward fn {import_string!r} is not an import string "
-                         f"'package.module:Class'; built-ins: {', '.join(BUILTIN_REWARDS)}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward fn {import_string!r}: cannot import {module_name!r} ({exc}); "
-                         f"built-ins: {', '.join(BUILTIN_REWARDS)}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward fn {import_string!r}: module {module_name} has no "
-                             f"attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = resolve_import_string(import_string, "reward fn", BUILTIN_REWARDS)
     if not callable(obj):
         raise ValueError(f"reward fn {import_string!r} is not a class or factory")
     try:

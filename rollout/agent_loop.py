@@ -11,7 +11,6 @@ their own loops and name them by import string `package.module:Class` in a recip
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +25,8 @@ from rollout.recorder import Budgets, TrajectoryRecorder
 from rollout.router import Router
 from rollout.tool_parser import ParsedTurn, parse_tool_calls, validate_arguments
 from rollout.types import Message, Task, TerminationReason, ToolCall, Trajectory
+
+from trainer.config import resolve_import_string
 
 if TYPE_CHECKING:
     from trainer.config import SluiceConfig
@@ -238,20 +239,8 @@ def load_agent_loop(import_string: str) -> type:
     """Resolve `package.module:Class` to an AgentLoop class; ValueError says what is wrong."""
     if import_string in BUILTIN_LOOPS:
         return BUILTIN_LOOPS[import_string]
-    module_name, sep, attr = import_string.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"agent loop {import_string!r} is not an import string "
-                         f"'package.module:Class'; built-ins: {', '.join(BUILTIN_LOOPS)}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"agent loop {import_string!r}: cannot import {module_name!r} ({exc})") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"agent loop {import_string!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not isinstance(obj, type) or not callable(getattr(obj, "run", None)) \
-            or not asyncio.iscoroutinefunction(obj.run):
+    obj = resolve_import_string(import_string, "agent loop", BUILTIN_LOOPS)
+    if not isinstance(obj, type) or not asyncio.iscoroutinefunction(getattr(obj, "run", None)):
         raise ValueError(f"agent loop {import_string!r} must be a class with "
                          f"`async def run(self, task, ctx) -> Trajectory`")
     return obj

@@ -10,7 +10,6 @@ The worker itself never fails because of a trajectory. A thin Ray actor hosts it
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import traceback
 from collections import Counter
@@ -24,6 +23,8 @@ from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
 from rollout.router import Router
 from rollout.types import Group, Task, TerminationReason, Trajectory
+
+from trainer.config import resolve_import_string
 
 if TYPE_CHECKING:
     from trainer.config import SluiceConfig
@@ -172,8 +173,7 @@ def build_agent_worker(cfg: "SluiceConfig", model_path: str, engines: Mapping[st
 
 
 def load_tool(import_string: str) -> ToolFactory:
-    module_name, _, attr = import_string.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr, None)
+    factory = resolve_import_string(import_string, "tool")
     if not callable(factory):
         raise ValueError(f"tool {import_string!r} is not a class or factory")
     return factory

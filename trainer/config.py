@@ -8,7 +8,9 @@ checks, and imports nothing heavy.
 
 from __future__ import annotations
 
+import importlib
 import re
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
@@ -28,6 +30,24 @@ def section(cls: type, doc: str) -> Any:
 def is_import_string(value: str) -> bool:
     """True for `package.module:Attr` plug-in references."""
     return bool(_IMPORT_STRING.match(value))
+
+
+def resolve_import_string(value: str, what: str, builtins: Iterable[str] = ()) -> Any:
+    """The object a plug-in reference `package.module:Attr` names, resolved once at start-up.
+    `what` names the plug-in point in errors (e.g. "agent loop"); ValueError says the fix."""
+    known = f"; built-ins: {', '.join(builtins)}" if builtins else ""
+    if not is_import_string(value):
+        raise ValueError(f"{what} {value!r} is not an import string 'package.module:Class'{known}")
+    module_name, attr = value.split(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {value!r}: cannot import {module_name!r} ({exc}){known}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {value!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclass(frozen=True, slots=True)

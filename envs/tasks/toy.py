@@ -10,6 +10,7 @@ so a recipe names the set and every worker builds the same tasks.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from envs.tools.calculator import evaluate_arithmetic
 from rollout.types import Message, Task
@@ -45,21 +46,9 @@ def make_expression(rng: random.Random) -> tuple[str, int]:
     return text, int(evaluate_arithmetic(text))
 
 
-def build_toy_arithmetic(num_tasks: int = DEFAULT_NUM_TASKS,
-                         seed: int = DEFAULT_SEED) -> list[Task]:
+def build_toy_arithmetic(num_tasks: int = DEFAULT_NUM_TASKS, seed: int = DEFAULT_SEED) -> list[Task]:
     """`num_tasks` tasks, the same ones for the same seed."""
-    if num_tasks < 1:
-        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
-    rng = random.Random(seed)
-    tasks = []
-    for i in range(num_tasks):
-        expression, value = make_expression(rng)
-        messages = (Message("system", SYSTEM_PROMPT),
-                    Message("user", PROMPT.format(expression=expression)))
-        tasks.append(Task(id=f"{SET_NAME}/{seed}/{i}", messages=messages, tools=TOOLS,
-                          answer=str(value), reward_fn="reward.rules:ExactMatch"))
-    return tasks
-
+    return _build_set(SET_NAME, make_expression, TOOLS, num_tasks, seed)
 
 def make_easy_expression(rng: random.Random) -> tuple[str, int]:
     """`a op b` with a, b in [2, 99]."""
@@ -70,14 +59,19 @@ def make_easy_expression(rng: random.Random) -> tuple[str, int]:
 def build_toy_arithmetic_easy(num_tasks: int = DEFAULT_NUM_TASKS, seed: int = DEFAULT_SEED
                               ) -> list[Task]:
     """The easy variant (see EASY_SET_NAME); same prompt format and reward as the full set."""
+    return _build_set(EASY_SET_NAME, make_easy_expression, ("python",), num_tasks, seed)
+
+
+def _build_set(name: str, make: Callable[[random.Random], tuple[str, int]], tools: tuple[str, ...],
+               num_tasks: int, seed: int) -> list[Task]:
     if num_tasks < 1:
         raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
     rng = random.Random(seed)
     tasks = []
     for i in range(num_tasks):
-        expression, value = make_easy_expression(rng)
+        expression, value = make(rng)
         messages = (Message("system", SYSTEM_PROMPT),
                     Message("user", PROMPT.format(expression=expression)))
-        tasks.append(Task(id=f"{EASY_SET_NAME}/{seed}/{i}", messages=messages, tools=("python",),
+        tasks.append(Task(id=f"{name}/{seed}/{i}", messages=messages, tools=tools,
                           answer=str(value), reward_fn="reward.rules:ExactMatch"))
     return tasks

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import importlib
 import logging
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +39,7 @@ from envs.sandbox.base import (WORKSPACE_MOUNT, ExecResult, SandboxLimits, Sandb
                                build_sandbox_limits)
 from envs.sandbox.output import split_budget
 from envs.tools.base import Tool, ToolFactory, ToolResult, function_schema
+from trainer.config import resolve_import_string
 from rollout.types import Task
 from trainer.config import EnvsConfig
 
@@ -504,8 +504,7 @@ SandboxToolClass = Callable[[SandboxSession], Tool]
 
 
 def load_sandbox_tool(import_string: str) -> SandboxToolClass:
-    module_name, _, attr = import_string.partition(":")
-    cls = getattr(importlib.import_module(module_name), attr, None) if attr else None
+    cls = resolve_import_string(import_string, "sandbox tool")
     if not callable(cls):
         raise ValueError(f"sandbox tool {import_string!r} is not 'package.module:Class'")
     return cls
