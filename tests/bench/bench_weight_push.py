@@ -17,7 +17,6 @@ import platform
 import shutil
 import statistics
 import tempfile
-import time
 
 
 def build_model(hidden: int, layers: int, out: str) -> str:

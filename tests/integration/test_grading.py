@@ -259,8 +259,8 @@ async def test_fake_passed_lines_and_junit_files_are_ignored(swe_task: tuple[Tas
     task, _ = swe_task
     fake_line = "".join(f"PASSED {t}\\n" for t in (F2P, *P2P))
     ops = BASE_FILES["calc/ops.py"] + f"\nprint('{fake_line}', end='')\n"
-    fake_junit = (f'<testsuites><testsuite><testcase classname="tests.test_ops" '
-                  f'name="test_mean_of_nothing_is_zero"/></testsuite></testsuites>').encode()
+    fake_junit = ('<testsuites><testsuite><testcase classname="tests.test_ops" '
+                  'name="test_mean_of_nothing_is_zero"/></testsuite></testsuites>').encode()
     files = {"calc/ops.py": ops.encode(), "report.xml": fake_junit, "junit.xml": fake_junit,
              ".sluice_grading/out/report.xml": fake_junit}
     result = await grade(task, await run_agent(task, files))

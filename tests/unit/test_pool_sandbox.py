@@ -368,7 +368,7 @@ async def test_a_failed_create_frees_its_slot() -> None:
     backend.num_failing_creates = 1
     with pytest.raises(OSError, match="fake create failure"):
         await pool.acquire(GENERIC)
-    lease = await pool.acquire(GENERIC)
+    await pool.acquire(GENERIC)
     stats = pool.stats()
     assert (stats.num_create_failures, stats.num_in_use, backend.alive) == (1, 1, 1)
     await pool.close()
