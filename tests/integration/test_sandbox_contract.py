@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from envs.sandbox.base import Sandbox, SandboxLimits, SandboxSpec
+from sandbox_probes import live_processes_of_uid
 
 SMALL = SandboxLimits(memory_mb=256, max_processes=64, cpu_time_s=30, file_size_mb=64,
                       open_files=256, max_output_bytes=65_536)
@@ -26,22 +27,6 @@ class BackendUnderTest:
     name: str
     create: Callable[[SandboxSpec], Awaitable[Sandbox]]
     leftovers: Callable[[Sandbox], list[str]]  # what remains on the host after release
-
-
-def live_processes_of_uid(uid: int) -> list[int]:
-    """Running (non-zombie) processes of a host uid, read from /proc by the test itself."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in ("Z", "X"):
-            found.append(int(entry))
-    return found
 
 
 def _local_leftovers(sandbox: Sandbox) -> list[str]:

@@ -24,27 +24,12 @@ if os.geteuid() != 0 or shutil.which("bwrap") is None:
     pytest.skip("the local sandbox needs root and bubblewrap", allow_module_level=True)
 
 from envs.sandbox.local import LocalSandbox  # noqa: E402  (after the skip: needs root)
+from sandbox_probes import live_processes_of_uid  # noqa: E402
 
 # Small limits: a bomb that escaped them would still be survivable for the host.
 LIMITS = SandboxLimits(memory_mb=256, max_processes=64, cpu_time_s=30, file_size_mb=8,
                        open_files=128, max_output_bytes=65_536)
 MakeSandbox = Callable[..., Awaitable[LocalSandbox]]
-
-
-def live_processes_of_uid(uid: int) -> list[int]:
-    """Running (non-zombie) processes of a host uid, read from /proc by the test itself."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in ("Z", "X"):
-            found.append(int(entry))
-    return found
 
 
 def assert_nothing_runs(sandbox: LocalSandbox) -> None:
