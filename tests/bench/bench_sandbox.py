@@ -21,22 +21,10 @@ from pathlib import Path
 
 from envs.sandbox.base import SandboxLimits, SandboxSpec
 from envs.sandbox.local import LocalSandbox
+from sandbox_bench_inputs import make_source_tree, percentile
 
 LIMITS = SandboxLimits(memory_mb=512, max_processes=64)
 SHORT_COMMAND = ["python3", "-c", "pass"]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def make_source_tree(root: Path, num_files: int = 200, file_bytes: int = 8192) -> None:
-    """A small repository-like tree: nested packages of Python-sized files."""
-    for i in range(num_files):
-        path = root / f"pkg{i % 10}" / f"sub{i % 3}" / f"mod{i}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"# x\n" * (file_bytes // 4))
 
 
 async def timed(fn: Callable[[], Awaitable[object]], n: int) -> list[float]:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from reward.base import RewardContext, RewardResult, load_reward_fn
 from reward.tests import HiddenTests
 from reward.workspace import WorkspaceChanges
 from rollout.types import Task, Trajectory
+from git_repo import run_git
 
 AGENT_LIMITS = SandboxLimits(memory_mb=512, max_processes=64, cpu_time_s=60)
 
@@ -182,12 +182,6 @@ F2P = "tests/test_ops.py::test_mean_of_nothing_is_zero"
 P2P = ("tests/test_ops.py::test_add", "tests/test_ops.py::test_mean")
 
 
-def _git(repo: Path, *args: str) -> str:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(repo), "GIT_CONFIG_GLOBAL": os.devnull,
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
-                          text=True).stdout
 
 
 @pytest.fixture
@@ -195,22 +189,22 @@ def swe_task(tmp_path: Path) -> tuple[Task, str]:
     """A task loaded through the SWE adapter, and the fix commit's id."""
     repo = tmp_path / "upstream"
     repo.mkdir()
-    _git(repo, "init", "-q", "-b", "main")
+    run_git(repo, "init", "-q", "-b", "main")
     for rel, text in BASE_FILES.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "base")
-    base = _git(repo, "rev-parse", "HEAD").strip()
+    run_git(repo, "add", "-A")
+    run_git(repo, "commit", "-q", "-m", "base")
+    base = run_git(repo, "rev-parse", "HEAD").strip()
     (repo / "calc/ops.py").write_text(FIXED_OPS)
     (repo / "tests/test_ops.py").write_text(BASE_FILES["tests/test_ops.py"] + NEW_TEST)
-    _git(repo, "commit", "-q", "-am", "fix mean of an empty list")
-    fix = _git(repo, "rev-parse", "HEAD").strip()
-    test_patch = _git(repo, "diff", base, fix, "--", "tests")
+    run_git(repo, "commit", "-q", "-am", "fix mean of an empty list")
+    fix = run_git(repo, "rev-parse", "HEAD").strip()
+    test_patch = run_git(repo, "diff", base, fix, "--", "tests")
     row = {"instance_id": "demo__calc-1", "repo": "demo/calc", "repo_dir": "upstream",
            "base_commit": base, "problem_statement": "mean([]) raises ZeroDivisionError; it "
            "should return 0.0.", "test_patch": test_patch, "FAIL_TO_PASS": json.dumps([F2P]),
-           "PASS_TO_PASS": json.dumps(list(P2P)), "patch": _git(repo, "diff", base, fix, "--", "calc")}
+           "PASS_TO_PASS": json.dumps(list(P2P)), "patch": run_git(repo, "diff", base, fix, "--", "calc")}
     (tmp_path / "swe.jsonl").write_text(json.dumps(row) + "\n")
     [task] = load_tasks(str(tmp_path / "swe.jsonl"), cache_dir=str(tmp_path / "cache"))
     return task, fix

@@ -5,7 +5,6 @@ rows are rejected with the row and field named."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -13,14 +12,9 @@ import pytest
 
 from envs.tasks import load_tasks
 from envs.tasks.swe import export_base_snapshot, is_git_repo
+from git_repo import run_git
 
 
-def git(repo: Path, *args: str) -> str:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(repo), "GIT_CONFIG_GLOBAL": os.devnull,
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
-                          text=True).stdout
 
 
 @pytest.fixture
@@ -28,18 +22,18 @@ def upstream(tmp_path: Path) -> tuple[Path, str, str]:
     """A repository with a base commit and a later fix commit: (path, base, fix)."""
     repo = tmp_path / "repos" / "demo__calc"
     (repo / "pkg").mkdir(parents=True)
-    git(repo, "init", "-q", "-b", "main")
+    run_git(repo, "init", "-q", "-b", "main")
     (repo / "pkg" / "mod.py").write_text("VALUE = 1\n")
     (repo / ".gitignore").write_text("build/\n*.log\n")
     (repo / ".gitattributes").write_text("pkg/mod.py export-ignore\n")  # must not drop it
     (repo / "run.log").write_text("tracked despite .gitignore\n")
-    git(repo, "add", "-A", "-f")
-    git(repo, "commit", "-q", "-m", "base")
-    base = git(repo, "rev-parse", "HEAD").strip()
+    run_git(repo, "add", "-A", "-f")
+    run_git(repo, "commit", "-q", "-m", "base")
+    base = run_git(repo, "rev-parse", "HEAD").strip()
     (repo / "pkg" / "mod.py").write_text("VALUE = 2  # the fix\n")
-    git(repo, "commit", "-q", "-am", "fix")
-    git(repo, "tag", "v1")
-    return repo, base, git(repo, "rev-parse", "HEAD").strip()
+    run_git(repo, "commit", "-q", "-am", "fix")
+    run_git(repo, "tag", "v1")
+    return repo, base, run_git(repo, "rev-parse", "HEAD").strip()
 
 
 def swe_row(base: str, **over: object) -> dict:
@@ -65,14 +59,14 @@ def test_row_becomes_task_on_a_fresh_single_commit_repo(tmp_path: Path,
     assert (src / "pkg" / "mod.py").read_text() == "VALUE = 1\n"  # export-ignore ignored
     assert (src / "run.log").exists()  # tracked files stay, even if ignored
     assert is_git_repo(str(src))
-    assert git(src, "rev-list", "--all").split() == [git(src, "rev-parse", "HEAD").strip()]
-    assert git(src, "tag") == "" and git(src, "remote") == ""
-    assert git(src, "status", "--porcelain") == ""
+    assert run_git(src, "rev-list", "--all").split() == [run_git(src, "rev-parse", "HEAD").strip()]
+    assert run_git(src, "tag") == "" and run_git(src, "remote") == ""
+    assert run_git(src, "status", "--porcelain") == ""
     with pytest.raises(subprocess.CalledProcessError):
-        git(src, "cat-file", "-e", fix)
+        run_git(src, "cat-file", "-e", fix)
     with pytest.raises(subprocess.CalledProcessError):
-        git(src, "cat-file", "-e", base)  # a new commit: not even the base's id leaks
-    everything = git(src, "log", "--all", "-p") + "".join(
+        run_git(src, "cat-file", "-e", base)  # a new commit: not even the base's id leaks
+    everything = run_git(src, "log", "--all", "-p") + "".join(
         p.read_text(errors="replace") for p in src.rglob("*") if p.is_file() and ".git" not in p.parts)
     assert "the fix" not in everything
 
@@ -89,7 +83,7 @@ def test_plain_snapshot_folder_is_copied_without_its_git(tmp_path: Path) -> None
     (snap / "a" / "x.py").write_text("X = 1\n")
     dest = export_base_snapshot(str(snap), None, str(tmp_path / "c"), "plain")
     assert (Path(dest) / "a" / "x.py").read_text() == "X = 1\n"
-    assert len(git(Path(dest), "rev-list", "--all").split()) == 1
+    assert len(run_git(Path(dest), "rev-list", "--all").split()) == 1
 
 
 @pytest.mark.parametrize("over, message", [
