@@ -53,12 +53,16 @@ def build_sandbox_limits(envs: EnvsConfig) -> SandboxLimits:
 
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
-    """What to create: the workspace's initial content and the limits."""
+    """What to create: the workspace's initial content, the limits and the image."""
 
     # Folder copied into the workspace, on the host that runs the sandbox (checked there,
     # by the backend's create); None: an empty workspace.
     source_dir: str | None = None
     limits: SandboxLimits = field(default_factory=SandboxLimits)
+    # Container image the commands run in (Task.image), looked up in the engine's local
+    # storage, never pulled; None: the backend's default (the host's own runtime). Only
+    # container backends use it; the local backend warns once and runs on the host's.
+    image: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

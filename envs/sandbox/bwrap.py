@@ -25,10 +25,10 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 LAUNCHER_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 # Host /etc entries the system python and coreutils need; everything else in /etc
 # (shadow, ssh keys, pip/npm tokens, resolv.conf) stays invisible.
-_ETC_ALLOWED = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
+ETC_ALLOWED = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime",
                 "python3", "python3.11", "python3.12", "python3.13", "ssl/openssl.cnf",
                 "mime.types", "debian_version", "os-release")
-_TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+TOP_LEVEL_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Joins each cgroup.procs file given as an argument, then execs the rest of argv.
 _JOIN_CGROUPS = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; ' \
                 'shift; n=$((n-1)); done; exec "$@"'
@@ -91,13 +91,13 @@ def rlimit_args(limits: SandboxLimits, memory_cgroup: bool) -> list[str]:
 def mount_args(workspace: str, etc_dir: str, tmp_size_mb: int) -> list[str]:
     """bwrap filesystem: read-only system trees, synthetic /etc files, private /tmp."""
     args = ["--ro-bind", "/usr", "/usr"]
-    for name in _TOP_LEVEL_LINKS:
+    for name in TOP_LEVEL_LINKS:
         path = f"/{name}"
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    for name in _ETC_ALLOWED:
+    for name in ETC_ALLOWED:
         path = f"/etc/{name}"
         if os.path.islink(path):
             args += ["--symlink", os.readlink(path), path]

@@ -150,6 +150,30 @@ class SandboxCgroup:
                 _warn_once(controller, e)
         return cls(2 if active else None, active)
 
+    @classmethod
+    def of_process(cls, pid: int) -> SandboxCgroup:
+        """The cgroup(s) `pid` already lives in (a container's, made by its engine), to
+        list its processes and read its OOM kills; never `remove()` it, its owner does.
+        Controllers whose folder is not reachable from here are left out."""
+        with open(f"/proc/{pid}/cgroup") as f:
+            paths = {}
+            for line in f:
+                _, names, path = line.rstrip("\n").split(":", 2)
+                for name in names.split(",") if names else [""]:
+                    paths[name] = path
+        dirs: dict[str, str] = {}
+        version = None
+        for fstype, mountpoint, opts in _mounts():
+            for controller in CONTROLLERS:
+                key = controller if fstype == "cgroup" else ""
+                if (fstype == "cgroup" and controller not in opts) or key not in paths:
+                    continue
+                path = os.path.join(mountpoint, paths[key].lstrip("/"))
+                if controller not in dirs and os.path.isfile(os.path.join(path, "cgroup.procs")):
+                    dirs[controller] = path
+                    version = 1 if fstype == "cgroup" else 2
+        return cls(version if dirs else None, dirs)
+
     @property
     def controllers(self) -> tuple[str, ...]:
         return tuple(sorted(self.dirs))

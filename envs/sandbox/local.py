@@ -14,19 +14,21 @@ import asyncio
 import glob
 import logging
 import os
-import shutil
 import stat
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Literal, Self
 
 from envs.sandbox import bwrap, workspace
-from envs.sandbox.base import (ExecResult, SandboxCapabilities, SandboxLimits, SandboxSpec,
-                               Snapshot)
+from envs.sandbox.base import (
+    ExecResult,
+    SandboxCapabilities,
+    SandboxLimits,
+    SandboxSpec,
+)
 from envs.sandbox.cgroups import SandboxCgroup
 from envs.sandbox.hostuid import HostUidLease, all_pids, kill_all_of_uid, live_of_uid
-from envs.sandbox.output import HeadTailBuffer, pump, render_streams
+from envs.sandbox.launch import kill_launcher, run_launcher
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class LocalSandboxConfig:
     exit_grace_s: float = 1.0  # after a command exits, how long its output pipes may stay open
 
 
-class LocalSandbox:
+class LocalSandbox(workspace.HostWorkspaceFiles):
     """A sandbox on this host (see the module docstring). Create with `await
     LocalSandbox.create(spec)`; always `await release()`."""
 
@@ -64,8 +66,7 @@ class LocalSandbox:
         self._cgroup = cgroup
         self._cgroup_dirs = tuple(sorted(set(cgroup.dirs.values())))
         self._runtime = bwrap.detect_host_runtime()
-        self._lock = asyncio.Lock()  # one command or file operation at a time
-        self._released = False
+        self._ws = workspace.HostWorkspace(self._workspace, lease.uid, config.snapshot_dir)
         self._capabilities = SandboxCapabilities(
             backend="local", namespaces=bwrap.namespaces_of(self._runtime),
             cgroup_version=cgroup.version, cgroup_controllers=cgroup.controllers,
@@ -81,6 +82,11 @@ class LocalSandbox:
                              "which needs root; run the sandbox worker as root (in its "
                              "container)")
         bwrap.detect_host_runtime()  # fails early, with the fix, when a tool is missing
+        if spec.image is not None and spec.image not in _warned:
+            _warned.add(spec.image)
+            log.warning("LocalSandbox runs commands on the host's own runtime and ignores "
+                        "SandboxSpec.image=%r; set envs.sandbox_backend=container to run "
+                        "tasks in their images", spec.image)
         if spec.source_dir is not None and not os.path.isdir(spec.source_dir):
             raise ValueError(f"SandboxSpec.source_dir={spec.source_dir!r} is not a directory "
                              "on this host; pass an existing folder or None for an empty workspace")
@@ -93,13 +99,15 @@ class LocalSandbox:
             await asyncio.to_thread(kill_all_of_uid, lease.uid)
             pattern = os.path.join(glob.escape(root), f"sluice-sandbox-{lease.uid}-*")
             for stale in glob.glob(pattern):
-                await asyncio.to_thread(_remove_sandbox_dir, stale)
-            sandbox_dir = await asyncio.to_thread(_make_sandbox_dir, root, lease.uid)
+                await asyncio.to_thread(workspace.remove_sandbox_dir, stale)
+            sandbox_dir = await asyncio.to_thread(
+                workspace.make_sandbox_dir, root, lease.uid, "sluice-sandbox-",
+                {"passwd": bwrap.PASSWD, "group": bwrap.GROUP, "hosts": bwrap.HOSTS})
             ws = os.path.join(sandbox_dir, "workspace")
             disk_limit_mb = None
             if config.workspace_fs == "tmpfs":
-                disk_limit_mb = await asyncio.to_thread(_mount_workspace, ws, spec.limits.disk_mb,
-                                                        lease.uid)
+                disk_limit_mb = await asyncio.to_thread(workspace.mount_capped_workspace, ws,
+                                                        spec.limits.disk_mb, lease.uid)
             if spec.source_dir is not None:
                 await workspace.fill_from_source(spec.source_dir, ws, lease.uid)
             limits = spec.limits
@@ -108,7 +116,7 @@ class LocalSandbox:
                 limits.max_processes + 2, limits.cpu_quota_cores)
         except BaseException:
             if sandbox_dir is not None:
-                _remove_sandbox_dir(sandbox_dir)
+                workspace.remove_sandbox_dir(sandbox_dir)
             lease.release()
             raise
         return cls(spec=spec, config=config, lease=lease, sandbox_dir=sandbox_dir, cgroup=cgroup,
@@ -132,13 +140,8 @@ class LocalSandbox:
 
     async def exec(self, cmd: str | list[str], timeout_s: float,
                    stdin: str | None = None) -> ExecResult:
-        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        if not argv or not all(isinstance(a, str) for a in argv):
-            raise ValueError(f"cmd must be a shell string or a non-empty list of str, got {cmd!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        async with self._lock:
-            self._check_live()
+        argv = workspace.command_argv(cmd, timeout_s)
+        async with self._ws.turn():
             return await self._run(argv, timeout_s, stdin)
 
     async def _run(self, argv: list[str], timeout_s: float, stdin: str | None) -> ExecResult:
@@ -146,58 +149,18 @@ class LocalSandbox:
             self._runtime, host_uid=self._lease.uid, cgroup_procs=self._cgroup.procs_files(),
             limits=self._limits, memory_cgroup="memory" in self._cgroup.dirs,
             workspace=self._workspace, etc_dir=self._etc, argv=argv)
-        cap = self._limits.max_output_bytes
-        out, err = HeadTailBuffer(cap), HeadTailBuffer(cap)
         oom_before = self._cgroup.oom_kills()
-        start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *launcher, env=bwrap.LAUNCHER_ENV, start_new_session=True,
-            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            timed_out = await self._wait(proc, out, err, stdin, timeout_s)
-        finally:
-            # Also on cancellation: nothing of the command may outlive the call.
-            await self._kill_tree(proc)
-        duration_s = time.monotonic() - start
-        stdout, stderr, truncated = render_streams(out, err, cap)
-        code = proc.returncode
-        assert code is not None
-        return ExecResult(exit_code=128 - code if code < 0 else code, stdout=stdout, stderr=stderr,
-                          timed_out=timed_out, oom_killed=self._cgroup.oom_kills() > oom_before,
-                          output_truncated=truncated, duration_s=duration_s)
-
-    async def _wait(self, proc: asyncio.subprocess.Process, out: HeadTailBuffer,
-                    err: HeadTailBuffer, stdin: str | None, timeout_s: float) -> bool:
-        """Stream output until the command ends or times out; True if it timed out."""
-        assert proc.stdout is not None and proc.stderr is not None
-        io = asyncio.gather(pump(proc.stdout, out), pump(proc.stderr, err),
-                            _feed(proc.stdin, stdin))
-        exited = asyncio.ensure_future(proc.wait())
-        try:
-            done, _ = await asyncio.wait({exited}, timeout=timeout_s)
-            timed_out = not done
-            if timed_out:
-                _kill(proc)
-            # The pipes close once the PID namespace is gone, which the exit of bwrap
-            # triggers; the grace only covers that teardown.
-            done, _ = await asyncio.wait({io}, timeout=self._config.exit_grace_s)
-            if not done:
-                log.warning("sandbox uid %d: output pipes open %.1fs after exit; killing",
-                            self._lease.uid, self._config.exit_grace_s)
-                await self._kill_tree(proc)
-                await asyncio.wait({io}, timeout=self._config.exit_grace_s)
-            await exited
-            return timed_out
-        finally:
-            io.cancel()
-            exited.cancel()
+        outcome = await run_launcher(
+            launcher, env=bwrap.LAUNCHER_ENV, stdin=stdin, timeout_s=timeout_s,
+            max_output_bytes=self._limits.max_output_bytes, kill_tree=self._kill_tree,
+            exit_grace_s=self._config.exit_grace_s, label=f"sandbox uid {self._lease.uid}")
+        return outcome.to_result(oom_killed=self._cgroup.oom_kills() > oom_before)
 
     async def _kill_tree(self, proc: asyncio.subprocess.Process) -> None:
         """Kill bwrap (its PID namespace dies with it), then anything else of this
         sandbox's uid still alive: the cgroup lists them cheaply, without one /proc is
         scanned."""
-        _kill(proc)
+        kill_launcher(proc)
         uid = self._lease.uid
         try:
             await asyncio.wait_for(proc.wait(), timeout=5.0)
@@ -207,42 +170,9 @@ class LocalSandbox:
         if live_of_uid(list_pids(), uid):
             await asyncio.to_thread(kill_all_of_uid, uid, list_pids)
 
-    async def read_file(self, path: str) -> bytes:
-        async with self._lock:
-            self._check_live()
-            return await asyncio.to_thread(workspace.read_file, self._workspace, path)
-
-    async def write_file(self, path: str, data: bytes) -> None:
-        if not isinstance(data, (bytes, bytearray)):
-            raise ValueError(f"write_file takes bytes, got {type(data).__name__}; "
-                             "encode text first (e.g. text.encode())")
-        async with self._lock:
-            self._check_live()
-            await asyncio.to_thread(workspace.write_file, self._workspace, path, bytes(data),
-                                    self._lease.uid)
-
-    async def snapshot(self) -> Snapshot:
-        async with self._lock:
-            self._check_live()
-            return await asyncio.to_thread(workspace.snapshot, self._workspace,
-                                           self._config.snapshot_dir)
-
-    async def restore(self, snapshot: Snapshot) -> None:
-        async with self._lock:
-            self._check_live()
-            await asyncio.to_thread(workspace.restore, self._workspace, snapshot)
-            await workspace.chown_tree(self._workspace, self._lease.uid)
-
-    async def release(self) -> None:
-        async with self._lock:
-            if self._released:
-                return
-            self._released = True
-            await asyncio.to_thread(self._teardown)
-
     def _teardown(self) -> None:
         survivors = kill_all_of_uid(self._lease.uid)
-        _remove_sandbox_dir(self._sandbox_dir)
+        workspace.remove_sandbox_dir(self._sandbox_dir)
         stuck = self._cgroup.remove()
         if survivors or stuck:
             # Keep the uid leased: handing it to a new sandbox would give that sandbox
@@ -251,30 +181,6 @@ class LocalSandbox:
                       self._lease.uid, survivors, stuck)
             return
         self._lease.release()
-
-    def _check_live(self) -> None:
-        if self._released:
-            raise ValueError("this sandbox was released; create a new one (and restore a "
-                             "snapshot into it to resume)")
-
-
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        try:
-            proc.kill()
-        except ProcessLookupError:
-            pass
-
-
-async def _feed(writer: asyncio.StreamWriter | None, data: str | None) -> None:
-    if writer is None or data is None:
-        return
-    try:
-        writer.write(data.encode())
-        await writer.drain()
-        writer.close()
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the command exited without reading all of its stdin
 
 
 def _check_traversable(root: str) -> None:
@@ -291,44 +197,4 @@ def _check_traversable(root: str) -> None:
         path = os.path.dirname(path)
 
 
-def _mount_workspace(ws: str, disk_mb: int, uid: int) -> int | None:
-    """The workspace's size cap in MB, or None where tmpfs cannot be mounted here (no
-    CAP_SYS_ADMIN in the worker's container): then it stays a plain folder."""
-    try:
-        workspace.mount_tmpfs(ws, disk_mb, uid)
-        return disk_mb
-    except OSError as e:
-        if "tmpfs" not in _warned:
-            _warned.add("tmpfs")
-            log.warning("sandbox workspaces stay plain folders without a size cap: %s", e)
-        return None
-
-
-_warned: set[str] = set()
-
-
-def _remove_sandbox_dir(sandbox_dir: str) -> None:
-    """Unmount the workspace tmpfs (if any), then delete the folder. rmtree never follows
-    symlinks, so links the sandbox planted cannot redirect the deletion."""
-    for point in sorted(workspace.mounts_starting_with(sandbox_dir + "/"), reverse=True):
-        workspace.unmount(point)
-    shutil.rmtree(sandbox_dir, ignore_errors=True)
-    if os.path.lexists(sandbox_dir):
-        log.error("sandbox folder %s could not be deleted", sandbox_dir)
-
-
-def _make_sandbox_dir(root: str, uid: int) -> str:
-    """<root>/sluice-sandbox-<uid>-XXXX (root-owned, 0711) holding workspace/ (the
-    sandbox uid's, 0700) and etc/ (synthetic passwd, group, hosts)."""
-    sandbox_dir = tempfile.mkdtemp(prefix=f"sluice-sandbox-{uid}-", dir=root)
-    os.chmod(sandbox_dir, 0o711)
-    ws = os.path.join(sandbox_dir, "workspace")
-    os.mkdir(ws, 0o700)
-    os.chown(ws, uid, uid)
-    etc = os.path.join(sandbox_dir, "etc")
-    os.mkdir(etc, 0o755)
-    for name, text in (("passwd", bwrap.PASSWD), ("group", bwrap.GROUP), ("hosts", bwrap.HOSTS)):
-        with open(os.path.join(etc, name), "w") as f:
-            f.write(text)
-        os.chmod(os.path.join(etc, name), 0o644)
-    return sandbox_dir
+_warned: set[str] = set()  # images already warned about

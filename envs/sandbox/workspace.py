@@ -1,5 +1,7 @@
-"""Host-side work on a sandbox's workspace folder: filling it from a source folder,
-file reads and writes from the trainer, and snapshots as tar files.
+"""Host-side work on a sandbox's folder and workspace, shared by the backends that keep
+the workspace on this host (local, container): making and deleting the folder, the
+size-capped tmpfs, filling it from a source folder, file reads and writes from the
+trainer, and snapshots as tar files.
 
 These run as root on the host while no sandboxed process runs (the sandbox serializes
 them with its commands, and a command leaves no process behind), so the checks on
@@ -9,15 +11,19 @@ symlinks and file types below cannot race with the sandboxed code changing the t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import logging
 import os
 import shutil
 import stat
 import tarfile
 import tempfile
+from collections.abc import AsyncIterator, Callable
 
 from envs.sandbox.base import Snapshot, resolve_workspace_path
 
+log = logging.getLogger(__name__)
 
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
@@ -154,3 +160,146 @@ def restore(workspace: str, snap: Snapshot) -> None:
     clear(workspace)
     with tarfile.open(snap.tar_path, mode="r") as tar:
         tar.extractall(workspace, filter="data")
+
+
+def make_sandbox_dir(root: str, uid: int, prefix: str, etc_files: dict[str, str]) -> str:
+    """<root>/<prefix><uid>-XXXX (root-owned, 0711) holding workspace/ (the sandbox uid's,
+    0700) and etc/ with `etc_files` (name -> text, 0644) for the backend to mount."""
+    sandbox_dir = tempfile.mkdtemp(prefix=f"{prefix}{uid}-", dir=root)
+    os.chmod(sandbox_dir, 0o711)
+    ws = os.path.join(sandbox_dir, "workspace")
+    os.mkdir(ws, 0o700)
+    os.chown(ws, uid, uid)
+    etc = os.path.join(sandbox_dir, "etc")
+    os.mkdir(etc, 0o755)
+    for name, text in etc_files.items():
+        with open(os.path.join(etc, name), "w") as f:
+            f.write(text)
+        os.chmod(os.path.join(etc, name), 0o644)
+    return sandbox_dir
+
+
+def mount_capped_workspace(ws: str, disk_mb: int, uid: int) -> int | None:
+    """The workspace's size cap in MB, or None where tmpfs cannot be mounted here (no
+    CAP_SYS_ADMIN in the worker's container): then it stays a plain folder."""
+    try:
+        mount_tmpfs(ws, disk_mb, uid)
+        return disk_mb
+    except OSError as e:
+        if "tmpfs" not in _warned:
+            _warned.add("tmpfs")
+            log.warning("sandbox workspaces stay plain folders without a size cap: %s", e)
+        return None
+
+
+_warned: set[str] = set()
+
+
+def remove_sandbox_dir(sandbox_dir: str) -> None:
+    """Unmount the workspace tmpfs (if any), then delete the folder. rmtree never follows
+    symlinks, so links the sandbox planted cannot redirect the deletion."""
+    for point in sorted(mounts_starting_with(sandbox_dir + "/"), reverse=True):
+        unmount(point)
+    shutil.rmtree(sandbox_dir, ignore_errors=True)
+    if os.path.lexists(sandbox_dir):
+        log.error("sandbox folder %s could not be deleted", sandbox_dir)
+
+
+def clear_dir_fd(dir_fd: int) -> None:
+    """Delete everything inside the folder open as `dir_fd` (a sandbox's private /tmp seen
+    from the host). Every step is relative to a file descriptor and never follows a
+    symlink, so a link planted inside cannot point the deletion at a host path."""
+    for name in os.listdir(dir_fd):
+        if stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode):
+            shutil.rmtree(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def command_argv(cmd: str | list[str], timeout_s: float) -> list[str]:
+    """The argv of an exec call (a string goes through /bin/sh -c), checked."""
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise ValueError(f"cmd must be a shell string or a non-empty list of str, got {cmd!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    return argv
+
+
+class HostWorkspace:
+    """The workspace half of a sandbox whose workspace is a folder on this host: the
+    trainer's file operations and snapshots, serialized with the sandbox's commands (one
+    at a time, so no sandboxed process races the host-side checks) and refused after
+    release. Backends hold one and delegate to it."""
+
+    def __init__(self, path: str, owner_uid: int, snapshot_dir: str | None) -> None:
+        self.path = path
+        self._owner_uid = owner_uid
+        self._snapshot_dir = snapshot_dir
+        self._lock = asyncio.Lock()
+        self._released = False
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold the sandbox for one command."""
+        async with self._lock:
+            self._check_live()
+            yield
+
+    async def read_file(self, path: str) -> bytes:
+        async with self.turn():
+            return await asyncio.to_thread(read_file, self.path, path)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        if not isinstance(data, (bytes, bytearray)):
+            raise ValueError(f"write_file takes bytes, got {type(data).__name__}; "
+                             "encode text first (e.g. text.encode())")
+        async with self.turn():
+            await asyncio.to_thread(write_file, self.path, path, bytes(data), self._owner_uid)
+
+    async def snapshot(self) -> Snapshot:
+        async with self.turn():
+            return await asyncio.to_thread(snapshot, self.path, self._snapshot_dir)
+
+    async def restore(self, snap: Snapshot) -> None:
+        async with self.turn():
+            await asyncio.to_thread(restore, self.path, snap)
+            await chown_tree(self.path, self._owner_uid)
+
+    async def release(self, teardown: Callable[[], None]) -> None:
+        """Run `teardown` (in a thread) once; later calls do nothing."""
+        async with self._lock:
+            if self._released:
+                return
+            self._released = True
+            await asyncio.to_thread(teardown)
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise ValueError("this sandbox was released; create a new one (and restore a "
+                             "snapshot into it to resume)")
+
+
+class HostWorkspaceFiles:
+    """The Sandbox protocol's file and snapshot operations for a backend that keeps its
+    workspace in a HostWorkspace at `self._ws` and tears down in `self._teardown`."""
+
+    _ws: HostWorkspace
+
+    def _teardown(self) -> None:
+        raise NotImplementedError
+
+    async def read_file(self, path: str) -> bytes:
+        return await self._ws.read_file(path)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        await self._ws.write_file(path, data)
+
+    async def snapshot(self) -> Snapshot:
+        return await self._ws.snapshot()
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        await self._ws.restore(snapshot)
+
+    async def release(self) -> None:
+        await self._ws.release(self._teardown)

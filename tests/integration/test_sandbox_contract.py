@@ -1,6 +1,7 @@
 """The contract every Sandbox backend must pass: commands, stdin/stdout/stderr, timeouts,
 bounded output, workspace files, path checks, snapshots, isolation between sandboxes and
-a release that leaves nothing behind. A new backend adds one entry to BACKENDS."""
+a release that leaves nothing behind. A new backend adds one entry to BACKENDS; a backend
+this host cannot run is skipped with the reason."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from sandbox_probes import (
+    container_leftovers,
+    live_processes_of_uid,
+    skip_without_container_engine,
+)
 
 from envs.sandbox.base import Sandbox, SandboxLimits, SandboxSpec
-from sandbox_probes import live_processes_of_uid
 
 SMALL = SandboxLimits(memory_mb=256, max_processes=64, cpu_time_s=30, file_size_mb=64,
                       open_files=256, max_output_bytes=65_536)
@@ -51,7 +56,15 @@ def _local_backend() -> BackendUnderTest:
     return BackendUnderTest("local", LocalSandbox.create, _local_leftovers)
 
 
-BACKENDS: dict[str, Callable[[], BackendUnderTest]] = {"local": _local_backend}
+def _container_backend() -> BackendUnderTest:
+    skip_without_container_engine()
+    from envs.sandbox.container import ContainerSandbox
+
+    return BackendUnderTest("container", ContainerSandbox.create, container_leftovers)
+
+
+BACKENDS: dict[str, Callable[[], BackendUnderTest]] = {"local": _local_backend,
+                                                       "container": _container_backend}
 
 
 @pytest.fixture(params=sorted(BACKENDS))

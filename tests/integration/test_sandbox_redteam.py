@@ -1,7 +1,8 @@
-"""Red-team tests of the local sandbox: each test is a small program a reward-seeking
-policy might write, and asserts the concrete outcome on the host. The limit tests run
-first (pytest keeps file order), so the bombs further down only run once the process
-and memory limits have been seen to hold in this very session."""
+"""Red-team tests of the sandbox backends that run on this host (local; container where an
+engine works): each test is a small program a reward-seeking policy might write, and
+asserts the concrete outcome on the host. The limit tests run first (pytest keeps file
+order, each test for every backend), and the bombs further down refuse to run for a
+backend whose process and memory limits have not been seen to hold in this session."""
 
 from __future__ import annotations
 
@@ -15,24 +16,64 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 import pytest
+from sandbox_probes import live_processes_of_uid, skip_without_container_engine
 
-from envs.sandbox.base import SandboxLimits, SandboxSpec
-
-if os.geteuid() != 0 or shutil.which("bwrap") is None:
-    pytest.skip("the local sandbox needs root and bubblewrap", allow_module_level=True)
-
-from envs.sandbox.local import LocalSandbox  # noqa: E402  (after the skip: needs root)
-from sandbox_probes import live_processes_of_uid  # noqa: E402
+from envs.sandbox.base import Sandbox, SandboxLimits, SandboxSpec
 
 # Small limits: a bomb that escaped them would still be survivable for the host.
 LIMITS = SandboxLimits(memory_mb=256, max_processes=64, cpu_time_s=30, file_size_mb=8,
                        open_files=128, max_output_bytes=65_536)
-MakeSandbox = Callable[..., Awaitable[LocalSandbox]]
 
 
-def assert_nothing_runs(sandbox: LocalSandbox) -> None:
+class HostSandbox(Sandbox, Protocol):
+    """A backend whose commands run as a leased host uid in a workspace on this host."""
+
+    @property
+    def host_uid(self) -> int: ...
+
+    @property
+    def workspace_dir(self) -> str: ...
+
+
+MakeSandbox = Callable[..., Awaitable[HostSandbox]]
+# Backends whose limits held in this session (limit tests add them); bombs need it.
+PROCESS_LIMIT_HELD: set[str] = set()
+MEMORY_LIMIT_HELD: set[str] = set()
+
+
+def _local_create() -> Callable[[SandboxSpec], Awaitable[HostSandbox]]:
+    if os.geteuid() != 0 or shutil.which("bwrap") is None:
+        pytest.skip("the local sandbox needs root and bubblewrap")
+    from envs.sandbox.local import LocalSandbox
+
+    return LocalSandbox.create
+
+
+def _container_create() -> Callable[[SandboxSpec], Awaitable[HostSandbox]]:
+    skip_without_container_engine()
+    from envs.sandbox.container import ContainerSandbox
+
+    return ContainerSandbox.create
+
+
+BACKENDS = {"local": _local_create, "container": _container_create}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def require_held(held: set[str], backend: str, what: str) -> None:
+    if backend not in held:
+        pytest.fail(f"the {what} limit of the {backend} backend was not seen to hold in this "
+                    f"session (run the whole module); the bomb is not run")
+
+
+def assert_nothing_runs(sandbox: HostSandbox) -> None:
     deadline = time.monotonic() + 3.0
     while (pids := live_processes_of_uid(sandbox.host_uid)) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -44,11 +85,12 @@ def host_can_fork() -> bool:
 
 
 @pytest.fixture
-async def make_sandbox() -> AsyncIterator[MakeSandbox]:
-    made: list[LocalSandbox] = []
+async def make_sandbox(backend: str) -> AsyncIterator[MakeSandbox]:
+    create = BACKENDS[backend]()
+    made: list[HostSandbox] = []
 
-    async def make(limits: SandboxLimits = LIMITS) -> LocalSandbox:
-        sandbox = await LocalSandbox.create(SandboxSpec(limits=limits))
+    async def make(limits: SandboxLimits = LIMITS) -> HostSandbox:
+        sandbox = await create(SandboxSpec(limits=limits))
         made.append(sandbox)
         return sandbox
 
@@ -77,7 +119,7 @@ except OSError as e:
 """
 
 
-async def test_process_limit_caps_a_bounded_spawn(make_sandbox: MakeSandbox) -> None:
+async def test_process_limit_caps_a_bounded_spawn(make_sandbox: MakeSandbox, backend: str) -> None:
     sb = await make_sandbox()
     caps = sb.capabilities()
     assert caps.unprivileged_uid and "NPROC" in caps.rlimits
@@ -85,19 +127,25 @@ async def test_process_limit_caps_a_bounded_spawn(make_sandbox: MakeSandbox) -> 
     assert r.stdout.startswith("capped"), r
     assert int(r.stdout.split()[1]) < LIMITS.max_processes
     assert_nothing_runs(sb)
+    PROCESS_LIMIT_HELD.add(backend)
 
 
-async def test_memory_limit_stops_one_big_allocation(make_sandbox: MakeSandbox) -> None:
+async def test_memory_limit_stops_one_big_allocation(make_sandbox: MakeSandbox,
+                                                     backend: str) -> None:
     sb = await make_sandbox()
     r = await sb.exec(python("b = b'x' * (600 << 20); print('allocated')"), 30)
     assert "allocated" not in r.stdout
     assert r.exit_code == 137 or "MemoryError" in r.stderr, r
+    MEMORY_LIMIT_HELD.add(backend)
 
 
 async def test_rlimits_alone_hold_on_a_host_without_cgroups(make_sandbox: MakeSandbox,
+                                                            backend: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # The host is real; only cgroup detection is forced to find nothing, as on a host
     # whose cgroupfs is read-only. Then RLIMIT_NPROC and RLIMIT_AS must do the job.
+    if backend != "local":
+        pytest.skip("container engines need cgroups; only the local backend runs without")
     from envs.sandbox import cgroups
 
     monkeypatch.setattr(cgroups, "detect_cgroup_host", lambda: cgroups.CgroupHost(None, ()))
@@ -147,7 +195,8 @@ async def test_dns_lookup_fails(make_sandbox: MakeSandbox) -> None:
 
 # --- resource bombs ---------------------------------------------------------------
 
-async def test_fork_bomb_is_capped_and_cleaned_up(make_sandbox: MakeSandbox) -> None:
+async def test_fork_bomb_is_capped_and_cleaned_up(make_sandbox: MakeSandbox, backend: str) -> None:
+    require_held(PROCESS_LIMIT_HELD, backend, "process")
     sb = await make_sandbox()
     bystander = await make_sandbox()
     peak = 0
@@ -162,14 +211,15 @@ async def test_fork_bomb_is_capped_and_cleaned_up(make_sandbox: MakeSandbox) -> 
     r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 30", 3.0)
     watcher.cancel()
     assert r.timed_out or r.exit_code != 0
-    assert peak <= LIMITS.max_processes + 2, peak  # + bwrap's monitor and init
+    assert peak <= LIMITS.max_processes + 2, peak  # local: + bwrap's monitor and init
     assert_nothing_runs(sb)
     assert host_can_fork()
     assert (await bystander.exec("echo fine", 10)).stdout == "fine\n"
     assert (await sb.exec("echo recovered", 10)).stdout == "recovered\n"
 
 
-async def test_memory_bomb_is_killed(make_sandbox: MakeSandbox) -> None:
+async def test_memory_bomb_is_killed(make_sandbox: MakeSandbox, backend: str) -> None:
+    require_held(MEMORY_LIMIT_HELD, backend, "memory")
     sb = await make_sandbox()
     r = await sb.exec(python("b = []\nwhile True:\n    b.append(b'x' * (16 << 20))"), 30)
     assert r.exit_code != 0 and not r.timed_out
@@ -179,8 +229,10 @@ async def test_memory_bomb_is_killed(make_sandbox: MakeSandbox) -> None:
         assert r.exit_code == 137 or "MemoryError" in r.stderr
 
 
-async def test_memory_spread_over_processes_is_still_bounded(make_sandbox: MakeSandbox) -> None:
+async def test_memory_spread_over_processes_is_still_bounded(make_sandbox: MakeSandbox,
+                                                             backend: str) -> None:
     # Each child stays under RLIMIT_AS; only a limit on the whole tree stops the sum.
+    require_held(MEMORY_LIMIT_HELD, backend, "memory")
     sb = await make_sandbox()
     if "memory" not in sb.capabilities().cgroup_controllers:
         pytest.skip("no memory cgroup on this host: only per-process limits apply")
@@ -344,4 +396,5 @@ async def test_no_privileges_inside(make_sandbox: MakeSandbox) -> None:
     assert "CapEff:\t0000000000000000" in status and "NoNewPrivs:\t1" in status
     if sb.capabilities().nested_userns_blocked:
         assert (await sb.exec("unshare -r true", 10)).exit_code != 0
-    assert (await sb.exec("ls /sys/fs/cgroup", 10)).exit_code != 0  # its limits are not in reach
+    cgroupfs = await sb.exec("ls -A /sys/fs/cgroup", 10)  # its limits are not in reach:
+    assert cgroupfs.exit_code != 0 or cgroupfs.stdout == ""  # absent (local) or masked

@@ -406,8 +406,8 @@ def test_config_mistakes_raise_value_errors_naming_the_key() -> None:
         SandboxPool(backend.create, max_sandboxes=2, num_warm=3)
     with pytest.raises(ValueError, match="envs.sandboxes_per_worker"):
         SandboxPool(backend.create, max_sandboxes=0, num_warm=0)
-    with pytest.raises(ValueError, match="envs.sandbox_backend='container'"):
-        build_sandbox_pool(EnvsConfig(sandbox_backend="container"))
+    with pytest.raises(ValueError, match="envs.sandbox_backend='kubernetes'"):
+        build_sandbox_pool(EnvsConfig(sandbox_backend="kubernetes"))  # type: ignore[arg-type]
 
 
 def test_duration_recorder_quantiles_and_buckets() -> None:
