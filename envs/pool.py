@@ -23,6 +23,10 @@ overlaps the model's next generation) after the first change and then at most on
 the changes of one interval, and before any change the spec itself (source_dir) is the
 exact initial state. `snapshot_interval_s=0` snapshots after every change.
 
+Final workspace: before a trajectory releases its sandbox, `workspace_changes` snapshots
+it a last time and compares the tar with the spec's source_dir here, on the pool's host,
+so only the changed files (capped) travel back to the caller and on to grading.
+
 Crash detection: a backend exception during exec is a crash. A broken launcher looks
 like a failing command (the local backend reports a vanished workspace as bwrap's exit
 1), so an exec that failed without any stdout is followed by a probe (`true`); if the
@@ -48,6 +52,8 @@ from typing import Any, Protocol
 from envs.sandbox import BUILTIN_BACKENDS
 from envs.sandbox.base import (ExecResult, Sandbox, SandboxLimits, SandboxSpec, Snapshot,
                                build_sandbox_limits)
+from envs.sandbox.changes import changes_from_snapshot
+from rollout.types import WorkspaceChanges
 from trainer.config import EnvsConfig
 
 log = logging.getLogger(__name__)
@@ -93,6 +99,11 @@ class SandboxProvider(Protocol):
 
     async def checkpoint(self, lease: SandboxLease) -> None:
         """Snapshot the sandbox now, so a crash restores at least this state."""
+        ...
+
+    async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
+        """The sandbox's workspace now, as changes against its spec's source_dir; over
+        `max_bytes` of changed files: a WorkspaceChanges with a problem and no files."""
         ...
 
 
@@ -293,6 +304,17 @@ class LeasedSandbox:
     async def checkpoint(self) -> None:
         async with self._lock:
             await self._snapshot_locked()
+
+    async def workspace_changes(self, max_bytes: int) -> WorkspaceChanges:
+        """The workspace now versus the spec's source_dir. A broken sandbox whose recreate
+        failed is represented by its last snapshot: the state the agent would get back."""
+        async with self._lock:
+            if self.sandbox is not None and (self._dirty or self._snapshot is None):
+                await self._snapshot_locked()
+            if self._snapshot is None:  # broken before any snapshot: the spec's own files
+                return WorkspaceChanges()
+            return await asyncio.to_thread(changes_from_snapshot, self._snapshot,
+                                           self.spec.source_dir, max_bytes)
 
     def _live(self) -> Sandbox:
         if self.sandbox is None:
@@ -625,6 +647,11 @@ class SandboxPool:
     async def checkpoint(self, lease: SandboxLease) -> None:
         """Snapshot the lease's sandbox now (a crash restores at least this state)."""
         await self._entry(lease).checkpoint()
+
+    async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
+        """The lease's workspace as changes against its source (see the module docstring);
+        call it before `release`."""
+        return await self._entry(lease).workspace_changes(max_bytes)
 
     # ---- metrics ---------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ agent-loop workers use to reach those actors. All behaviour lives in envs.pool."
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
 
@@ -10,6 +11,7 @@ import ray
 
 from envs.pool import PoolStats, SandboxLease, build_sandbox_pool
 from envs.sandbox.base import ExecResult, SandboxSpec
+from rollout.types import WorkspaceChanges
 from trainer.config import EnvsConfig
 
 
@@ -39,6 +41,9 @@ class SandboxPoolActor:
 
     async def checkpoint(self, lease: SandboxLease) -> None:
         await self.pool.checkpoint(lease)
+
+    async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
+        return await self.pool.workspace_changes(lease, max_bytes)
 
     async def stats(self) -> PoolStats:
         return self.pool.stats()
@@ -78,6 +83,13 @@ class RaySandboxProvider:
 
     async def checkpoint(self, lease: SandboxLease) -> None:
         await _call(self.handles[lease.pool].checkpoint, lease)
+
+    async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
+        return await _call(self.handles[lease.pool].workspace_changes, lease, max_bytes)
+
+    async def stats(self) -> list[PoolStats]:
+        """Every pool actor's statistics (one entry per actor)."""
+        return list(await asyncio.gather(*(_call(h.stats) for h in self.handles.values())))
 
 
 async def _call(method: Any, *args: Any) -> Any:

@@ -12,7 +12,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from envs.sandbox.base import Sandbox, SandboxSpec
 from reward.workspace import WorkspaceChanges
 from rollout.types import Task, Trajectory
 from trainer.config import resolve_import_string
+
+if TYPE_CHECKING:
+    from reward.judge import JudgeClient
 
 # Creates a fresh sandbox for grading (e.g. `LocalSandbox.create` or a pool's factory).
 SandboxFactory = Callable[[SandboxSpec], Awaitable[Sandbox]]
@@ -53,6 +56,7 @@ class RewardContext:
     workspace: WorkspaceChanges | None = None  # the agent's final workspace vs task.source_dir
     create_sandbox: SandboxFactory | None = None  # grading sandboxes; None: LocalSandbox.create
     timeout_s: float = 300.0  # reward.timeout_s: the whole computation must fit in it
+    judge: JudgeClient | None = None  # the judge model (reward.judge.enabled); None: no judge
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -74,6 +78,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "reward.rules:ExactMatch": "the final answer equals Task.answer",
     "reward.rules:NumericMatch": "the final answer is within tolerance of Task.answer",
     "reward.tests:HiddenTests": "the task's hidden / fail_to_pass / pass_to_pass tests pass",
+    "reward.judge:GenerativeJudge": "the judge model's SCORE for the final answer",
 }
 
 

@@ -10,15 +10,19 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from reward.base import (RewardContext, RewardFn, RewardResult, last_model_text, load_reward_fn,
-                         reward_fn_name)
+from reward.base import (RewardContext, RewardFn, RewardResult, SandboxFactory, last_model_text,
+                         load_reward_fn, reward_fn_name)
+from reward.judge import JudgeClient
 from rollout.types import Group, Task, Trajectory
 
 
 class RewardLoop:
     def __init__(self, default_fn: str, decode: Callable[[list[int]], str], *, timeout_s: float,
-                 max_concurrency: int) -> None:
+                 max_concurrency: int, judge: JudgeClient | None = None,
+                 create_sandbox: SandboxFactory | None = None) -> None:
         self.default_fn = default_fn
+        self.judge = judge  # the judge model client, handed to every RewardFn in its context
+        self.create_sandbox = create_sandbox  # grading sandboxes (envs.sandbox_backend)
         self.decode = decode
         self.timeout_s = timeout_s
         self._fns: dict[str, RewardFn] = {default_fn: load_reward_fn(default_fn)}
@@ -33,7 +37,9 @@ class RewardLoop:
 
     async def score(self, trajectory: Trajectory, task: Task) -> RewardResult:
         ctx = RewardContext(final_text=last_model_text(trajectory, self.decode),
-                            timeout_s=self.timeout_s)
+                            workspace=trajectory.workspace,
+                            create_sandbox=self.create_sandbox, timeout_s=self.timeout_s,
+                            judge=self.judge)
         async with self._limit:
             try:
                 return await asyncio.wait_for(self._fn_for(task)(trajectory, task, ctx), self.timeout_s)
@@ -45,5 +51,7 @@ class RewardLoop:
     async def score_group(self, group: Group, task: Task) -> Group:
         results = await asyncio.gather(*(self.score(t, task) for t in group.trajectories))
         return Group(group.task_id, group.group_id, tuple(
-            dataclasses.replace(t, reward=r.reward, reward_components=dict(r.components))
+            # The workspace served grading only; the buffer, trainer and checkpoints never carry it.
+            dataclasses.replace(t, reward=r.reward, reward_components=dict(r.components),
+                                workspace=None)
             for t, r in zip(group.trajectories, results)))

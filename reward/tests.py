@@ -15,7 +15,8 @@ Pass/fail per test comes only from the JUnit XML that the driver vouches for (by
 its own stdout, which the agent's processes cannot reach) and never from pytest's
 console output; swebench's log parser is not needed. Two must-fail sentinel tests run
 in the same process: if they pass, the agent's code tampered with pytest and the
-reward is 0.
+reward is 0. A workspace that could not be captured (over envs.max_workspace_changes_mb,
+or the capture failed) is not graded: reward 0, component `workspace_error`.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ class HiddenTests:
         if not (task.fail_to_pass or task.pass_to_pass or task.hidden_tests):
             raise ValueError(f"task {task.id!r} names no tests: set fail_to_pass/pass_to_pass "
                              "or hidden_tests")
+        if ctx.workspace is not None and ctx.workspace.problem:
+            return RewardResult(0.0, {"workspace_error": 1.0, "grading_error": 0.0,
+                                      "tamper_detected": 0.0, "tests_passed_frac": 0.0,
+                                      "all_passed": 0.0},
+                                f"not graded: {ctx.workspace.problem}")
         sentinel = Sentinel.new()
         run = await self.grade(task, ctx.workspace or WorkspaceChanges(), ctx, sentinel)
         result = score_run(task, run, sentinel, self.partial_credit)
@@ -110,7 +116,7 @@ class HiddenTests:
             os.mkdir(dest)
             layout = await asyncio.to_thread(build_grading_dir, task, changes, dest, sentinel,
                                              self.visible_tests_dir)
-            sandbox = await create(SandboxSpec(source_dir=dest, limits=limits))
+            sandbox = await create(SandboxSpec(source_dir=dest, image=task.image, limits=limits))
         try:
             locked = await asyncio.to_thread(lock_protected, sandbox, layout.protected)
             nonce = secrets.token_hex(8)

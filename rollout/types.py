@@ -1,4 +1,5 @@
-"""Core data passed between stages: Task -> Trajectory (with Turns) -> Group.
+"""Core data passed between stages: Task -> Trajectory (with Turns, and the agent's final
+WorkspaceChanges until it is scored) -> Group.
 
 This module is the bottom layer with `trainer.config`: every other package may import
 it and it imports nothing from the project. Per-token arrays are numpy arrays that share
@@ -149,6 +150,52 @@ def _node_id_problem(node_id: object) -> str:
     return ""
 
 
+def clean_relative_path(path: str) -> str | None:
+    """`path` normalised ('a/./b' -> 'a/b'), or None if it is absolute, empty, climbs out
+    of the root, or holds a NUL or backslash."""
+    if not path or "\0" in path or "\\" in path or path.startswith("/"):
+        return None
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    return "/".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceChanges:
+    """The agent's final workspace relative to the task's source folder: files written
+    (path -> content) and deleted. Built where the sandbox lives (envs.sandbox.changes),
+    carried on the Trajectory to the reward loop, applied to a fresh copy of the source
+    by grading (reward.grading). A workspace that could not be captured, or whose
+    changes are over the size cap, has a `problem` and no files; grading scores it 0."""
+
+    written: Mapping[str, bytes] = field(default_factory=dict)
+    deleted: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()  # entries not handed over (links, special files, bad names)
+    problem: str = ""  # why the workspace was not captured ('' if it was)
+
+    def __post_init__(self) -> None:
+        written = dict(self.written)
+        for path in [*written, *self.deleted]:
+            if clean_relative_path(path) != path:
+                raise ValueError(f"WorkspaceChanges path {path!r} is not a clean relative "
+                                 "path; use forward slashes, no '..', no leading '/'")
+        if self.problem and (written or self.deleted):
+            raise ValueError("WorkspaceChanges with a problem carries no files")
+        object.__setattr__(self, "written", written)
+        object.__setattr__(self, "deleted", tuple(sorted(set(self.deleted))))
+        object.__setattr__(self, "skipped", tuple(self.skipped))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(v) for v in self.written.values())
+
+    def __repr__(self) -> str:  # never the file contents: they can be megabytes
+        return (f"WorkspaceChanges(written={len(self.written)} files/{self.num_bytes} bytes, "
+                f"deleted={len(self.deleted)}, skipped={len(self.skipped)}, "
+                f"problem={self.problem!r})")
+
+
 @dataclass(frozen=True, slots=True)
 class Turn:
     """One model turn, for metrics and transcripts; token positions index `response_ids`."""
@@ -162,10 +209,11 @@ class Turn:
     version: int  # weight version that produced the first token of the turn
     cached_prompt_tokens: int = 0  # prefix-cache hits reported by the engine
     num_tool_calls: int = 0
-    num_tool_errors: int = 0
+    num_tool_errors: int = 0  # timeouts included
     generate_s: float = 0.0
     tool_s: float = 0.0
     queue_s: float = 0.0  # time waiting at the turn gate or for a sandbox
+    num_tool_timeouts: int = 0  # calls cut by agent.tool_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +251,10 @@ class Trajectory:
     reward: float | None = None  # None until the reward loop scores it
     reward_components: Mapping[str, float] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
+    # The agent's final sandbox workspace, for grading: set by the worker when the
+    # trajectory used a sandbox, None otherwise and again once the reward is computed
+    # (the trainer and checkpoints never carry it).
+    workspace: WorkspaceChanges | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: inputs (lists or arrays) are normalised once, here

@@ -5,11 +5,16 @@ This is the one place where a trajectory's failure is caught: an exception anywh
 agent loop or its tools ends that trajectory with `error` (message kept), and the
 wall-clock limit ends it with `timeout`; both keep what the trajectory produced so far.
 The worker itself never fails because of a trajectory. A thin Ray actor hosts it.
+
+Whatever the ending, the trajectory's tools are released afterwards; sandbox tools
+capture the final workspace on release, and the worker puts it on the Trajectory
+(`Trajectory.workspace`) for the reward loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import traceback
 from collections import Counter
@@ -17,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envs.tools.base import ToolFactory
+from envs.tools.base import ToolFactory, final_workspace
 from rollout.agent_loop import AgentContext, LoopSettings, load_agent_loop
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
@@ -102,6 +107,9 @@ class AgentLoopWorker:
             self._num_running -= 1
             self.router.release(ctx.session_id)
             await self._release_tools(tools)
+        workspace = final_workspace(tools.values())
+        if workspace is not None:
+            trajectory = dataclasses.replace(trajectory, workspace=workspace)
         self._end_reasons[trajectory.termination.value] += 1
         self._num_tool_errors += sum(t.num_tool_errors for t in trajectory.turns)
         self._num_divergences += ctx.continuity_divergence is not None

@@ -9,11 +9,11 @@ with `is_error=True` and a message the model can act on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from rollout.types import Task
+from rollout.types import Task, WorkspaceChanges
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,27 @@ class Tool(Protocol):
     async def calc_reward(self) -> float | None: ...
 
     async def release(self) -> None: ...
+
+
+@runtime_checkable
+class WorkspaceTool(Protocol):
+    """A tool that works in the trajectory's sandbox and captures its final workspace when
+    released (the sandbox tools). Optional: the worker looks for it after releasing a
+    trajectory's tools and puts the capture on the Trajectory for grading."""
+
+    @property
+    def final_workspace(self) -> WorkspaceChanges | None:
+        """The changes against the task source once released; None if no sandbox was used."""
+        ...
+
+
+def final_workspace(tools: Iterable[Tool]) -> WorkspaceChanges | None:
+    """The workspace captured by the released `tools` of one trajectory, if any (its
+    sandbox tools share one sandbox, so they all report the same capture)."""
+    for tool in tools:
+        if isinstance(tool, WorkspaceTool) and (found := tool.final_workspace) is not None:
+            return found
+    return None
 
 
 # Builds a fresh Tool for one trajectory.

@@ -5,7 +5,11 @@ tools an agent works with in its trajectory's sandbox, reached through a Sandbox
 One sandbox per trajectory. All sandbox tools of a trajectory hold the same
 `SandboxSession`; the first `create(task)` acquires the sandbox (once, however many tools
 call it concurrently) and copies the task's visible tests into `visible_tests/` (never
-the hidden ones); the release of the session's last tool returns the sandbox.
+the hidden ones); the release of the session's last tool captures the final workspace
+(`SandboxProvider.workspace_changes`, computed in the pool) and then returns the sandbox.
+Every tool of the session then shows that capture as `final_workspace`, which the worker
+puts on the Trajectory for grading; a capture that fails is recorded as the changes'
+`problem` (graded 0), never raised, so the sandbox is always returned.
 
 How the worker's argument-less factories find their trajectory's session: the worker
 builds a trajectory's tools (`tool_factories[name]()` for each name) inside the asyncio
@@ -37,10 +41,11 @@ from envs.pool import (SANDBOX_FAULT_EXIT_CODE, SandboxLease, SandboxProvider,
                        SandboxUnavailableError)
 from envs.sandbox.base import (WORKSPACE_MOUNT, ExecResult, SandboxLimits, SandboxSpec,
                                build_sandbox_limits)
+from envs.sandbox.changes import MAX_CHANGED_BYTES
 from envs.sandbox.output import split_budget
 from envs.tools.base import Tool, ToolFactory, ToolResult, function_schema
 from trainer.config import resolve_import_string
-from rollout.types import Task
+from rollout.types import Task, WorkspaceChanges
 from trainer.config import EnvsConfig
 
 log = logging.getLogger(__name__)
@@ -126,10 +131,13 @@ class SandboxToolSettings:
     count_tokens: Callable[[str], int] = approx_token_count  # e.g. a tokenizer's length
     visible_tests_dir: str = "visible_tests"  # workspace folder the visible tests go to
     test_command: str = DEFAULT_TEST_COMMAND  # shell command of run_tests; {tests}: that folder
+    max_workspace_changes_bytes: int = MAX_CHANGED_BYTES  # cap of the captured final workspace
 
     def __post_init__(self) -> None:
         if self.exec_timeout_s <= 0:
             raise ValueError(f"envs.exec_timeout_s={self.exec_timeout_s} must be > 0")
+        if self.max_workspace_changes_bytes < 1:
+            raise ValueError("envs.max_workspace_changes_mb must be >= 1")
         if self.max_observation_tokens < 16:
             raise ValueError(f"envs.max_observation_tokens={self.max_observation_tokens} leaves "
                              "no room for a command's output; use at least 16")
@@ -140,7 +148,8 @@ def build_sandbox_tool_settings(envs: EnvsConfig, count_tokens: Callable[[str], 
     return SandboxToolSettings(limits=build_sandbox_limits(envs),
                                exec_timeout_s=envs.exec_timeout_s,
                                max_observation_tokens=envs.max_observation_tokens,
-                               count_tokens=count_tokens or approx_token_count)
+                               count_tokens=count_tokens or approx_token_count,
+                               max_workspace_changes_bytes=envs.max_workspace_changes_mb << 20)
 
 
 class SandboxSession:
@@ -151,6 +160,8 @@ class SandboxSession:
         self.settings = settings
         self.lease: SandboxLease | None = None
         self.has_visible_tests = False
+        # Set when the last tool is released, if a sandbox was opened.
+        self.final_workspace: WorkspaceChanges | None = None
         self._tool_names: set[str] = set()
         self._num_attached = 0
         self._lock = asyncio.Lock()  # one acquire, and no release while it runs
@@ -182,7 +193,8 @@ class SandboxSession:
                 raise ValueError("this sandbox session was released; tools of a trajectory "
                                  "are created once")
             try:
-                spec = SandboxSpec(source_dir=task.source_dir, limits=self.settings.limits)
+                spec = SandboxSpec(source_dir=task.source_dir, image=task.image,
+                                   limits=self.settings.limits)
                 lease = await self.provider.acquire(spec)
             except Exception as exc:
                 self._open_error = exc
@@ -218,7 +230,8 @@ class SandboxSession:
         self.has_visible_tests = True
 
     async def detach(self) -> None:
-        """A tool is done; the last one releases the sandbox."""
+        """A tool is done; the last one captures the final workspace and releases the
+        sandbox."""
         self._num_attached -= 1
         if self._num_attached > 0:
             return
@@ -226,7 +239,22 @@ class SandboxSession:
         async with self._lock:
             lease, self.lease = self.lease, None
             if lease is not None:
-                await self.provider.release(lease)
+                try:
+                    self.final_workspace = await self._capture(lease)
+                finally:
+                    await self.provider.release(lease)
+
+    async def _capture(self, lease: SandboxLease) -> WorkspaceChanges:
+        try:
+            return await self.provider.workspace_changes(
+                lease, self.settings.max_workspace_changes_bytes)
+        except Exception as exc:
+            # Whatever broke (the backend's snapshot, the pool actor), the trajectory is
+            # over: record why its workspace is missing, so it is graded 0 and counted,
+            # and still release the sandbox.
+            log.warning("capturing the final workspace of %s failed: %s", lease.sandbox_id, exc)
+            return WorkspaceChanges(problem=f"the final workspace could not be captured: "
+                                    f"{type(exc).__name__}: {exc}")
 
     def _open_lease(self) -> SandboxLease:
         if self.lease is None:
@@ -324,6 +352,12 @@ class _SandboxTool:
 
     async def release(self) -> None:
         await self.session.detach()
+
+    @property
+    def final_workspace(self) -> WorkspaceChanges | None:
+        """The session's captured workspace once its last tool was released (see the
+        module docstring); None before, or when no sandbox was opened."""
+        return self.session.final_workspace
 
 
 class BashTool(_SandboxTool):

@@ -7,22 +7,12 @@ from __future__ import annotations
 import asyncio
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
 
-from rollout.engine import EngineSpec, Sampling, VLLMEngine
+from rollout.engine import Sampling
 from rollout.weight_reload import checksum_tensors
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(tiny_model_path):
-    eng = VLLMEngine(EngineSpec(model_path=str(tiny_model_path), max_model_len=1024,
-                                kv_cache_memory_bytes=64 << 20, enforce_eager=True))
-    await eng.start()
-    yield eng
-    eng.shutdown()
 
 
 def _hf_model(path):

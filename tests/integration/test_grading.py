@@ -24,7 +24,7 @@ from envs.tasks import load_tasks
 from envs.tasks.code import VISIBLE_TESTS_DIR, spec_by_name
 from reward.base import RewardContext, RewardResult, load_reward_fn
 from reward.tests import HiddenTests
-from reward.workspace import WorkspaceChanges
+from reward.workspace import WorkspaceChanges, changes_from_snapshot
 from rollout.types import Task, Trajectory
 from git_repo import run_git
 
@@ -60,7 +60,7 @@ async def run_agent(task: Task, files: Mapping[str, bytes] = {}, commands: tuple
     finally:
         await sandbox.release()
     try:
-        return WorkspaceChanges.from_snapshot(snapshot, task.source_dir)
+        return changes_from_snapshot(snapshot, task.source_dir)
     finally:
         snapshot.discard()
 

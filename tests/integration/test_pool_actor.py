@@ -1,5 +1,6 @@
 """The SandboxPool Ray shell with real Ray and real LocalSandboxes: sandbox tools work
-through RaySandboxProvider exactly as they do in-process, errors included."""
+through RaySandboxProvider exactly as they do in-process, errors and the final-workspace
+capture included."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ async def test_tools_work_through_the_actor(provider) -> None:
     leases = [tools["bash"].session.lease for tools in trajectories]
     assert {lease.pool for lease in leases} == {"sandbox-pool-0", "sandbox-pool-1"}  # round-robin
     await asyncio.gather(*(t.release() for tools in trajectories for t in tools.values()))
+    for i, tools in enumerate(trajectories):  # captured in the actor before the release
+        assert tools["read_file"].final_workspace.written == {"a.txt": f"from {i}\n".encode()}
     for handle in provider.handles.values():
         stats = await handle.stats.remote()
         assert (stats.num_in_use, stats.num_acquires, stats.num_warm_hits) == (0, 1, 1)

@@ -1,6 +1,6 @@
 """SandboxPool over real LocalSandboxes: warm and per-task acquires, release that leaves
-nothing on the host, the FIFO cap, timeouts, and recovery of a sandbox whose workspace
-vanished."""
+nothing on the host, the FIFO cap, timeouts, recovery of a sandbox whose workspace
+vanished, and the capture of a final workspace (a broken sandbox's included)."""
 
 from __future__ import annotations
 
@@ -153,3 +153,44 @@ async def test_callers_beyond_the_cap_queue_and_all_finish(recording: RecordingP
     stats = pool.stats()
     assert max(in_use) <= 3 and stats.queue_wait.max_s > 0.1
     assert stats.num_in_use == 0 and stats.queue_length == 0
+
+
+async def test_the_final_workspace_is_captured_against_the_source(recording: RecordingPool,
+                                                                  tmp_path: Path) -> None:
+    (tmp_path / "keep.py").write_text("KEEP = 1\n")
+    (tmp_path / "edit.py").write_text("VALUE = 1\n")
+    (tmp_path / "gone.py").write_text("GONE = 1\n")
+    pool = recording.pool
+    lease = await pool.acquire(SandboxSpec(source_dir=str(tmp_path), limits=SMALL))
+    await pool.exec(lease, "echo 'VALUE = 2' > edit.py && rm gone.py && mkdir new && "
+                           "echo hi > new/n.txt", 10)
+    changes = await pool.workspace_changes(lease, 1 << 20)
+    assert changes.written == {"edit.py": b"VALUE = 2\n", "new/n.txt": b"hi\n"}
+    assert changes.deleted == ("gone.py",) and changes.problem == ""
+    too_big = await pool.workspace_changes(lease, 5)
+    assert too_big.written == {} and "exceed 5 bytes" in too_big.problem
+    await pool.release(lease)
+
+
+async def test_a_broken_sandbox_is_captured_from_its_last_snapshot(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("bwrap") is None:
+        pytest.skip("the local backend needs root and bubblewrap")
+    recording = RecordingPool(tmp_path_factory.mktemp("snapshots"), num_warm=0, max_recreates=0)
+    pool = recording.pool
+    try:
+        lease = await pool.acquire(SandboxSpec(source_dir=str(tmp_path), limits=SMALL))
+        await pool.exec(lease, "echo v1 > state.txt", 10)
+        await wait_until(lambda: pool.stats().num_snapshots >= 1)
+        broken = recording.made[0]
+        workspace.unmount(broken.workspace_dir)
+        os.rmdir(broken.workspace_dir)
+        fault = await pool.exec(lease, "echo v2 > state.txt", 10)
+        assert fault.exit_code == SANDBOX_FAULT_EXIT_CODE  # gone for good: no recreates left
+        changes = await pool.workspace_changes(lease, 1 << 20)
+        assert changes.written == {"state.txt": b"v1\n"}  # what the agent would get back
+        await pool.release(lease)
+    finally:
+        await pool.close()
+    assert leftovers(recording.made) == []
+    assert list(recording.snapshot_dir.iterdir()) == []

@@ -15,7 +15,7 @@ from envs.tools.sandbox_tools import (SANDBOX_TOOLS, SandboxToolSettings, approx
                                       build_sandbox_tool_factories, build_sandbox_tools,
                                       load_sandbox_tool, render_exec_result, truncate_observation,
                                       workspace_relative)
-from rollout.types import Message, Task
+from rollout.types import Message, Task, WorkspaceChanges
 
 MARKER = re.compile(r"\n\[\.\.\. (\d+) tokens cut \.\.\.\]\n")
 TASK = Task("t", (Message("user", "fix it"),), tools=("bash", "read_file", "submit"))
@@ -89,8 +89,9 @@ def test_workspace_paths_are_made_relative() -> None:
 class FakeProvider:
     """In-memory SandboxProvider: a dict of files per lease; `bash` prints the file names."""
 
-    def __init__(self, fail_acquire: bool = False) -> None:
+    def __init__(self, fail_acquire: bool = False, fail_capture: bool = False) -> None:
         self.fail_acquire = fail_acquire
+        self.fail_capture = fail_capture
         self.files: dict[str, dict[str, bytes]] = {}
         self.num_acquires = 0
         self.num_releases = 0
@@ -121,6 +122,14 @@ class FakeProvider:
 
     async def checkpoint(self, lease: SandboxLease) -> None:
         self.num_checkpoints += 1
+
+    async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
+        if self.fail_capture:
+            raise ConnectionError("the pool actor is gone")
+        files = self.files[lease.sandbox_id]  # KeyError once released: capture must come first
+        if sum(map(len, files.values())) > max_bytes:
+            return WorkspaceChanges(problem="over the cap")
+        return WorkspaceChanges(written=dict(files))
 
 
 async def run_like_the_worker(factories: dict, task: Task, marker: str) -> str:
@@ -181,6 +190,40 @@ async def test_the_sandbox_is_released_with_the_last_tool() -> None:
     assert (provider.num_acquires, provider.num_releases) == (1, 1)
 
 
+async def test_the_last_release_captures_the_workspace_before_returning_the_sandbox() -> None:
+    provider = FakeProvider()
+    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["write_file", "bash", "submit"])
+    await asyncio.gather(*(t.create(TASK) for t in tools.values()))
+    await tools["write_file"].execute({"path": "fix.txt", "content": "done"})
+    await tools["write_file"].release()
+    assert tools["bash"].final_workspace is None  # the sandbox is still in use
+    await asyncio.gather(tools["bash"].release(), tools["submit"].release())
+    assert provider.num_releases == 1
+    captured = tools["bash"].final_workspace
+    assert captured is tools["write_file"].final_workspace  # one capture per session
+    assert captured.written == {"fix.txt": b"done"} and captured.problem == ""
+
+
+async def test_a_failed_capture_is_recorded_and_the_sandbox_still_released() -> None:
+    provider = FakeProvider(fail_capture=True)
+    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["bash"])
+    await tools["bash"].create(TASK)
+    await tools["bash"].release()
+    assert provider.num_releases == 1
+    captured = tools["bash"].final_workspace
+    assert captured.written == {} and "ConnectionError: the pool actor is gone" in captured.problem
+
+
+async def test_changes_over_the_cap_come_back_as_a_problem() -> None:
+    provider = FakeProvider()
+    tools = build_sandbox_tools(provider, SandboxToolSettings(max_workspace_changes_bytes=3),
+                                ["write_file"])
+    await tools["write_file"].create(TASK)
+    await tools["write_file"].execute({"path": "big.txt", "content": "four"})
+    await tools["write_file"].release()
+    assert tools["write_file"].final_workspace.problem == "over the cap"
+
+
 async def test_a_failed_acquire_fails_every_create_and_leaks_nothing() -> None:
     provider = FakeProvider(fail_acquire=True)
     tools = build_sandbox_tools(provider, SandboxToolSettings(), ["bash", "read_file"])
@@ -191,6 +234,7 @@ async def test_a_failed_acquire_fails_every_create_and_leaks_nothing() -> None:
     assert result.is_error and "not open" in result.text
     await asyncio.gather(*(t.release() for t in tools.values()))
     assert provider.num_releases == 0
+    assert tools["bash"].final_workspace is None  # no sandbox, nothing to grade
 
 
 async def test_submit_alone_needs_no_sandbox_and_ends_the_trajectory() -> None:

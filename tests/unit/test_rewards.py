@@ -16,7 +16,8 @@ from reward.base import (BUILTIN_REWARDS, RewardContext, RewardFn, RewardResult,
                          last_model_text, load_reward_fn)
 from reward.junit import Outcome, junit_key, parse_junit
 from reward.rules import ExactMatch, NumericMatch, extract_final_answer, parse_number
-from reward.workspace import WorkspaceChanges, clean_relative_path
+from reward.workspace import (WorkspaceChanges, changes_from_dir, changes_from_snapshot,
+                              clean_relative_path)
 from rollout.types import NO_VERSION, Message, Task, Trajectory
 
 TASK = Task("t", (Message("user", "q"),), answer="1234")
@@ -116,7 +117,7 @@ async def test_rule_builtins_meet_the_reward_fn_contract(name: str) -> None:
 
 def test_load_reward_fn_errors() -> None:
     assert set(BUILTIN_REWARDS) == {"reward.rules:ExactMatch", "reward.rules:NumericMatch",
-                                    "reward.tests:HiddenTests"}
+                                    "reward.tests:HiddenTests", "reward.judge:GenerativeJudge"}
     for name in BUILTIN_REWARDS:
         assert callable(load_reward_fn(name))
     for bad, message in [("reward.rules.ExactMatch", "not an import string"),
@@ -218,7 +219,7 @@ def test_changes_from_dir(tmp_path: Path) -> None:
     (ws / ".git").mkdir()
     (ws / ".git" / "HEAD").write_text("tampered\n")  # version control is never handed over
     os.symlink("/etc/passwd", ws / "link")
-    changes = WorkspaceChanges.from_dir(str(ws), str(src))
+    changes = changes_from_dir(str(ws), str(src))
     assert changes.written == {"pkg/a.py": b"A = 2\n", "new.py": b"N = 1\n"}
     assert changes.deleted == ("pkg/b.py",)
     assert changes.skipped == ("link",)
@@ -239,13 +240,13 @@ def test_changes_from_a_hostile_snapshot_tar(tmp_path: Path) -> None:
         add("pkg/link.py", kind=tarfile.SYMTYPE, link="/etc/shadow")
         add("fifo", kind=tarfile.FIFOTYPE)
     snapshot = Snapshot(str(tar_path), os.path.getsize(tar_path))
-    changes = WorkspaceChanges.from_snapshot(snapshot, str(src))
+    changes = changes_from_snapshot(snapshot, str(src))
     assert changes.written == {"pkg/b.py": b"B = 2\n"}
     assert changes.deleted == ()
     assert set(changes.skipped) == {"../escape.py", "/abs.py", "pkg/link.py", "fifo"}
     snapshot.discard()
     with pytest.raises(ValueError, match="does not exist"):
-        WorkspaceChanges.from_snapshot(snapshot, str(src))
+        changes_from_snapshot(snapshot, str(src))
 
 
 def test_changes_validate_paths() -> None:
