@@ -186,6 +186,21 @@ class VLLMEngine:
                              path: str | None = None) -> None:
         """Load new weights in place and adopt `version`; the prefix cache is reset because
         cached KV was computed by the old weights. Pauses around the load if not paused."""
+        await self._load_as_version(version, "sluice_load_weights", (blob, path))
+
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                backend: str, timeout_s: float) -> list[int]:
+        """Every worker joins the trainer's weight broadcast group (rank_offset + its
+        rank); returns the ranks taken. Blocks until the whole group has joined."""
+        return await self._llm.collective_rpc(
+            "sluice_init_weight_group", args=(host, port, rank_offset, world_size, backend, timeout_s))
+
+    async def receive_weights(self, version: int, wire: list[dict]) -> None:
+        """Like `update_weights`, with the tensors broadcast by the trainer in the buckets
+        that `wire` plans (`rollout.weight_reload.encode_plan`)."""
+        await self._load_as_version(version, "sluice_receive_weights", (wire,))
+
+    async def _load_as_version(self, version: int, method: str, args: tuple) -> None:
         if version <= self._version:
             raise ValueError(f"weight version must increase: engine has {self._version}, got {version}")
         async with self._update_lock:
@@ -193,7 +208,7 @@ class VLLMEngine:
             if not was_paused:
                 await self.pause()
             try:
-                await self._llm.collective_rpc("sluice_load_weights", args=(blob, path))
+                await self._llm.collective_rpc(method, args=args)
                 await self.reset_prefix_cache()
                 self._version = version
             finally:

@@ -33,6 +33,13 @@ class EngineActor:
     async def update_weights(self, version: int, blob: bytes | None = None, path: str | None = None) -> None:
         await self.engine.update_weights(version, blob=blob, path=path)
 
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                backend: str, timeout_s: float) -> list[int]:
+        return await self.engine.init_weight_group(host, port, rank_offset, world_size, backend, timeout_s)
+
+    async def receive_weights(self, version: int, wire: list[dict]) -> None:
+        await self.engine.receive_weights(version, wire)
+
     async def checksum(self, names: list[str]) -> str:
         return await self.engine.checksum(names)
 
@@ -65,6 +72,14 @@ class RayEngineClient:
 
     async def update_weights(self, version: int, blob: bytes | None = None, path: str | None = None) -> None:
         await self.handle.update_weights.remote(version, blob, path)
+
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                backend: str, timeout_s: float) -> list[int]:
+        return await self.handle.init_weight_group.remote(host, port, rank_offset, world_size,
+                                                          backend, timeout_s)
+
+    async def receive_weights(self, version: int, wire: list[dict]) -> None:
+        await self.handle.receive_weights.remote(version, wire)
 
     async def reset_prefix_cache(self) -> None:
         await self.handle.reset_prefix_cache.remote()

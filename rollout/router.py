@@ -40,6 +40,9 @@ class EngineClient(Protocol):
     async def resume(self) -> None: ...
     async def update_weights(self, version: int, blob: bytes | None = None,
                              path: str | None = None) -> None: ...
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                backend: str, timeout_s: float) -> list[int]: ...
+    async def receive_weights(self, version: int, wire: list[dict]) -> None: ...
     async def reset_prefix_cache(self) -> None: ...
     async def checksum(self, names: list[str]) -> str: ...
     async def get_stats(self) -> EngineStats: ...
@@ -172,6 +175,18 @@ class Router:
     async def update_weights_all(self, version: int, blob: bytes | None = None,
                                  path: str | None = None) -> None:
         await self._fan_out(lambda e: e.update_weights(version, blob=blob, path=path))
+
+    async def init_weight_group_all(self, host: str, port: int, rank_offsets: dict[str, int],
+                                    world_size: int, backend: str,
+                                    timeout_s: float) -> dict[str, list[int]]:
+        """Every engine's workers join the trainer's weight broadcast group; engine `n`'s
+        first worker takes rank `rank_offsets[n]`. Returns each engine's ranks."""
+        offset_of = {id(e): rank_offsets[n] for n, e in self._engines.items()}
+        return await self._fan_out(lambda e: e.init_weight_group(
+            host, port, offset_of[id(e)], world_size, backend, timeout_s))
+
+    async def receive_weights_all(self, version: int, wire: list[dict]) -> None:
+        await self._fan_out(lambda e: e.receive_weights(version, wire))
 
     async def reset_prefix_cache_all(self) -> None:
         await self._fan_out(lambda e: e.reset_prefix_cache())

@@ -31,6 +31,7 @@ class TrainRankActor:
         self.backend = build_backend(cfg.train, model_path, dtype=cfg.model.dtype,
                                      device="cuda" if cfg.cluster.device == "cuda" else "cpu",
                                      temperature=cfg.rollout.temperature)
+        self.sender: Any = None  # rank 0's WeightSender once the weight group is opened
 
     def train_step(self, trajectories: list[Trajectory], advantages: np.ndarray) -> Any:
         return self.backend.train_step(trajectories, advantages, self.cfg.loss)
@@ -40,6 +41,29 @@ class TrainRankActor:
 
     def version(self) -> int:
         return self.backend.version
+
+    def open_weight_group(self, backend: str, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 only: bind the weight group's rendezvous on this node; (host, port)."""
+        import torch
+
+        from trainer.weight_sync_nccl import WeightSender
+
+        device = torch.device("cuda", torch.cuda.current_device()) if self.cfg.cluster.device == "cuda" else "cpu"
+        self.sender = WeightSender(backend, device, timeout_s)  # type: ignore[arg-type]
+        return self.sender.listen(ray.util.get_node_ip_address())
+
+    def connect_weight_group(self, world_size: int) -> None:
+        self.sender.connect(world_size)
+
+    def send_weights(self, wire: list[dict]) -> None:
+        """Every rank walks the weights (a gather under ZeRO-3); rank 0 broadcasts them."""
+        walk = getattr(self.backend, "iter_push_tensors", None)  # one full tensor at a time
+        tensors = walk() if walk is not None else iter(self.backend.state_dict_for_push().items())
+        if self.sender is None:
+            for _ in tensors:
+                pass
+        else:
+            self.sender.send(wire, tensors)
 
     def save_state(self, folder: str) -> None:
         self.backend.save_state(folder)
@@ -88,6 +112,16 @@ class TrainGroup:
     async def state_dict_for_push(self) -> dict:
         refs = [rank.state_dict_for_push.remote() for rank in self.ranks]
         return (await asyncio.gather(*refs))[0]  # a collective on every rank; rank 0's copy
+
+    # The weight broadcast group (trainer.weight_sync_nccl.WeightSenderClient): rank 0 sends.
+    async def open_weight_group(self, backend: str, timeout_s: float) -> tuple[str, int]:
+        return await self.ranks[0].open_weight_group.remote(backend, timeout_s)
+
+    async def connect_weight_group(self, world_size: int) -> None:
+        await self.ranks[0].connect_weight_group.remote(world_size)
+
+    async def send_weights(self, wire: list[dict]) -> None:
+        await asyncio.gather(*(rank.send_weights.remote(wire) for rank in self.ranks))
 
     # Blocking: the controller calls these from a thread (trainer.checkpoint is synchronous).
     def save_state(self, folder: str | Path) -> None:

@@ -1,11 +1,11 @@
 """Weight push from the trainer to the rollout engines, verified.
 
-CPU transport (runs here): the full state dict is serialised once as safetensors bytes and
-every engine loads it in place (`rollout.weight_reload`). Afterwards each engine reports a
+Two transports behind one entry, `push_weights`. CPU: the full state dict is serialised
+once as safetensors bytes and every engine loads it in place (`rollout.weight_reload`).
+NCCL (GPU clusters, `trainer.weight_sync_nccl`): train rank 0 broadcasts bucketed weights
+to every engine worker through a group of their own. Afterwards each engine reports a
 checksum of a few tensors and its version; any mismatch stops training with an error,
-because an engine silently serving stale weights corrupts every later batch. The NCCL
-transport (GPU clusters) is not built yet: `resolve_transport` rejects it when a run
-starts (a dry run still shows the plan).
+because an engine silently serving stale weights corrupts every later batch.
 
 The controller calls `push_weights` at a turn boundary: after closing every worker's
 turn gate (in-flight turns drained) and before opening them again.
@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ from rollout.weight_reload import checksum_tensors
 
 if TYPE_CHECKING:
     from trainer.config import SluiceConfig
+    from trainer.weight_sync_nccl import WeightSenderClient
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +46,53 @@ class PushResult:
     engines: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class SentWeights:
+    num_bytes: int
+    encode_s: float  # serialising (cpu) or planning buckets (nccl)
+
+
+class WeightTransport(Protocol):
+    """Moves `state` into every engine as `version`; verification is not its job."""
+
+    async def send(self, router: Router, state: Mapping[str, torch.Tensor],
+                   version: int) -> SentWeights: ...
+
+
+class CpuTransport:
+    """safetensors bytes through Ray; every engine loads them in place."""
+
+    async def send(self, router: Router, state: Mapping[str, torch.Tensor],
+                   version: int) -> SentWeights:
+        start = time.monotonic()
+        blob = encode_state(state)
+        encode_s = time.monotonic() - start
+        await router.update_weights_all(version, blob=blob)
+        return SentWeights(len(blob), encode_s)
+
+
 def resolve_transport(cfg: "SluiceConfig") -> str:
-    """The transport a run uses; ValueError for one that is not built."""
+    """The transport a run uses: 'cpu' or 'nccl'; ValueError for nccl without GPUs."""
     transport = cfg.sync.transport
     if transport == "auto":
         transport = "nccl" if cfg.cluster.device == "cuda" else "cpu"
-    if transport == "nccl":
-        raise ValueError("sync.transport=nccl is not built yet; set sync.transport=cpu "
-                         "(safetensors bytes through Ray, slower for large models)")
+    if transport == "nccl" and cfg.cluster.device != "cuda":
+        raise ValueError(f"sync.transport=nccl broadcasts between GPUs but cluster.device="
+                         f"{cfg.cluster.device}; set sync.transport=cpu (or auto)")
     return transport
+
+
+def build_transport(cfg: SluiceConfig, sender: WeightSenderClient | None = None) -> WeightTransport:
+    """The transport `cfg` asks for; nccl needs `sender`, the train group (rank 0 sends)."""
+    if resolve_transport(cfg) == "cpu":
+        return CpuTransport()
+    if sender is None:
+        raise ValueError("sync.transport=nccl needs the train group to send from rank 0; "
+                         "pass it as sender, or set sync.transport=cpu")
+    from trainer.weight_sync_nccl import BroadcastTransport
+
+    return BroadcastTransport(sender, "nccl", bucket_bytes=cfg.sync.bucket_mb << 20,
+                              tp_size=cfg.rollout.tp_size, timeout_s=cfg.sync.timeout_s)
 
 
 def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
@@ -86,15 +125,15 @@ async def verify_engines(router: Router, state: Mapping[str, torch.Tensor], vers
 
 
 async def push_weights(router: Router, state: Mapping[str, torch.Tensor], version: int,
-                       verify: bool = True) -> PushResult:
-    """Send `state` (Hugging Face names) to every engine as `version`; verify if asked."""
+                       verify: bool = True, transport: WeightTransport | None = None) -> PushResult:
+    """Send `state` (Hugging Face names) to every engine as `version` through `transport`
+    (`build_transport(cfg, ...)`; None: the CPU transport); verify if asked."""
     start = time.monotonic()
-    blob = encode_state(state)
-    encode_s = time.monotonic() - start
-    await router.update_weights_all(version, blob=blob)
+    sent = await (transport or CpuTransport()).send(router, state, version)
     if verify:
         await verify_engines(router, state, version)
-    result = PushResult(version, len(blob), time.monotonic() - start, encode_s, router.engine_names)
-    log.info("pushed version %d (%.1f MB) to %d engines in %.3fs", version, len(blob) / 2**20,
+    result = PushResult(version, sent.num_bytes, time.monotonic() - start, sent.encode_s,
+                        router.engine_names)
+    log.info("pushed version %d (%.1f MB) to %d engines in %.3fs", version, sent.num_bytes / 2**20,
              len(result.engines), result.seconds)
     return result

@@ -1,0 +1,146 @@
+"""The broadcast weight transport's pure parts: bucket planning under a byte budget, the
+plan's trip through the rpc, packing and unpacking bytes, the group layout, the
+rendezvous socket and the transport choice from config."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from rollout.weight_reload import (
+    ALIGN_BYTES,
+    Bucket,
+    decode_plan,
+    encode_plan,
+    pack_bucket,
+    plan_buckets,
+    plan_state_buckets,
+    unpack_bucket,
+)
+from trainer.recipe import build_config, load_config
+from trainer.weight_sync import CpuTransport, build_transport, resolve_transport
+from trainer.weight_sync_nccl import (
+    BroadcastTransport,
+    engine_rank_offsets,
+    open_listen_socket,
+)
+
+
+def flat_names(buckets: tuple[Bucket, ...]) -> list[str]:
+    return [s.name for b in buckets for s in b.slots]
+
+
+def test_buckets_keep_order_hold_every_tensor_once_and_respect_the_budget():
+    sizes = [100, 300, 20, 700, 64, 64, 1, 500, 900]
+    tensors = [(f"t{i}", (n,), "float32", 4) for i, n in enumerate(sizes)]
+    budget = 1600
+    buckets = plan_buckets(tensors, budget)
+    assert flat_names(buckets) == [t[0] for t in tensors]
+    assert [s.num_bytes for b in buckets for s in b.slots] == [4 * n for n in sizes]
+    for b in buckets:
+        assert b.num_bytes <= budget or len(b.slots) == 1  # t3 (2800 B) is alone
+        assert all(s.offset % ALIGN_BYTES == 0 for s in b.slots)
+        ends = [s.offset + s.num_bytes for s in b.slots]
+        assert all(e <= nxt.offset for e, nxt in zip(ends, b.slots[1:]))  # no overlap
+        assert b.num_bytes == ends[-1]
+    # greedy: t0 (400 B) + t1 (1200 B at offset 448) would need 1648 > 1600 bytes
+    assert [flat_names((b,)) for b in buckets] == [["t0"], ["t1", "t2"], ["t3"],
+                                                   ["t4", "t5", "t6"], ["t7"], ["t8"]]
+
+
+def test_a_tensor_larger_than_the_bucket_gets_its_own_bucket():
+    tensors = [("small", (4,), "float32", 4), ("huge", (1000,), "bfloat16", 2),
+               ("after", (2, 3), "float32", 4)]
+    buckets = plan_buckets(tensors, 256)
+    assert [flat_names((b,)) for b in buckets] == [["small"], ["huge"], ["after"]]
+    assert buckets[1].num_bytes == 2000 and buckets[1].slots[0].offset == 0
+
+
+def test_one_bucket_when_everything_fits_and_none_for_nothing():
+    buckets = plan_buckets([("a", (3,), "float32", 4), ("b", (), "int64", 8)], 1 << 20)
+    assert len(buckets) == 1 and buckets[0].slots[1].offset == ALIGN_BYTES
+    assert plan_buckets([], 1024) == ()
+    with pytest.raises(ValueError, match="must be > 0"):
+        plan_buckets([("a", (1,), "float32", 4)], 0)
+
+
+def test_plan_survives_the_rpc_as_plain_data():
+    state = {"w": torch.zeros(3, 5, dtype=torch.bfloat16), "b": torch.zeros(7),
+             "step": torch.tensor(3), "mask": torch.zeros(2, 2, dtype=torch.bool)}
+    buckets = plan_state_buckets(state, 128)
+    wire = encode_plan(buckets)
+    assert json.loads(json.dumps(wire)) == wire  # only lists, dicts, str and int
+    assert decode_plan(json.loads(json.dumps(wire))) == buckets
+    assert [s.dtype for b in buckets for s in b.slots] == ["bfloat16", "float32", "int64", "bool"]
+
+
+def test_pack_then_unpack_returns_the_same_tensors():
+    gen = torch.Generator().manual_seed(0)
+    state = {"embed.weight": torch.randn(11, 6, generator=gen).to(torch.bfloat16),
+             "norm.weight": torch.randn(6, generator=gen),
+             "counter": torch.tensor(9, dtype=torch.int64),
+             "odd": torch.randn(3, 5, generator=gen).t()}  # not contiguous
+    buckets = plan_state_buckets(state, 200)
+    assert len(buckets) > 1
+    source = iter(state.items())
+    received = {}
+    for bucket in buckets:
+        received.update(unpack_bucket(bucket, pack_bucket(bucket, source, "cpu")))
+    assert list(received) == list(state)
+    for name, tensor in state.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
+
+
+def test_packing_refuses_weights_that_differ_from_the_plan():
+    planned = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    (bucket,) = plan_state_buckets(planned, 1 << 20)
+    with pytest.raises(ValueError, match="differ from the plan"):
+        pack_bucket(bucket, iter({"a": torch.zeros(4), "b": torch.zeros(5)}.items()), "cpu")
+    with pytest.raises(ValueError, match="differ from the plan"):
+        pack_bucket(bucket, iter({"a": torch.zeros(4)}.items()), "cpu")  # one missing
+
+
+def test_group_ranks_trainer_first_then_each_engines_workers():
+    assert engine_rank_offsets(["engine-0", "engine-1", "engine-2"], 4) == {
+        "engine-0": 1, "engine-1": 5, "engine-2": 9}
+    assert engine_rank_offsets(["e"], 1) == {"e": 1}
+
+
+def test_rendezvous_listens_on_the_given_host_with_a_free_port():
+    sock = open_listen_socket("127.0.0.1")
+    try:
+        host, port = sock.getsockname()
+        assert host == "127.0.0.1" and port > 0
+        with socket.create_connection((host, port), timeout=5):
+            pass  # an engine can reach it before the store starts
+    finally:
+        sock.close()
+    with pytest.raises(ValueError, match="wildcard"):
+        open_listen_socket("0.0.0.0")
+
+
+def test_transport_follows_the_config():
+    assert resolve_transport(load_config("quickstart.yaml")) == "cpu"
+    gpu = load_config("swe_grpo.yaml")
+    assert resolve_transport(gpu) == "nccl"
+    assert isinstance(build_transport(load_config("quickstart.yaml")), CpuTransport)
+    transport = build_transport(gpu, sender=object())  # type: ignore[arg-type]
+    assert isinstance(transport, BroadcastTransport)
+    assert transport.bucket_bytes == gpu.sync.bucket_mb << 20 and transport.tp_size == gpu.rollout.tp_size
+    with pytest.raises(ValueError, match="sender"):
+        build_transport(gpu)
+    assert resolve_transport(build_config({"cluster": {"device": "cuda"},
+                                           "sync": {"transport": "cpu"}})) == "cpu"
+
+
+def test_nccl_on_cpu_is_rejected_naming_the_fix():
+    with pytest.raises(ValueError, match="sync.transport"):
+        build_config({"cluster": {"device": "cpu"}, "sync": {"transport": "nccl"}})
+    # resolve_transport says the same for a config that skipped the schema checks
+    cfg = load_config("quickstart.yaml")
+    object.__setattr__(cfg.sync, "transport", "nccl")
+    with pytest.raises(ValueError, match="set sync.transport=cpu"):
+        resolve_transport(cfg)
