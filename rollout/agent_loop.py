@@ -193,7 +193,14 @@ class ToolAgentLoop:
 
     A turn that ends by length without a tool call ends the trajectory with max_tokens:
     the model ran out of budget mid-answer (or never emitted its stop token).
+
+    Subclasses may override `run_tools` (e.g. to add an environment's own latency or
+    bookkeeping around the tools); everything else about a turn stays as here.
     """
+
+    async def run_tools(self, parsed: ParsedTurn, ctx: AgentContext) -> ToolOutcome:
+        """One turn's tool calls -> their observations (ctx.run_tools by default)."""
+        return await ctx.run_tools(parsed)
 
     async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
         transcript = list(task.messages)  # only kept for the debug continuity check
@@ -217,12 +224,13 @@ class ToolAgentLoop:
             if not parsed.calls and not parsed.errors:
                 reason = TerminationReason.MAX_TOKENS if out.finish_reason == "length" else TerminationReason.FINISHED
                 return rec.finish(reason)
-            outcome = await ctx.run_tools(parsed)
+            outcome = await self.run_tools(parsed, ctx)
             ended_with_eos = len(out.token_ids) > 0 and int(out.token_ids[-1]) == ctx.chat.end_of_turn_id
             obs = ctx.chat.observation_ids(outcome.messages, ended_with_eos)
             if (stop := rec.fits_observation(len(obs))) is not None:
                 return rec.finish(stop, "the tool observation does not fit")
-            rec.add_observation(obs, outcome.num_calls, outcome.num_errors, outcome.seconds)
+            rec.add_observation(obs, outcome.num_calls, outcome.num_errors, outcome.seconds,
+                                outcome.num_timeouts)
             transcript.extend(outcome.messages)
             if outcome.ends_trajectory:
                 return rec.finish(TerminationReason.FINISHED)

@@ -9,7 +9,7 @@ out or raises still yields everything it produced up to that point.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -90,7 +90,7 @@ class TrajectoryRecorder:
         return None
 
     def add_observation(self, ids: list[int] | np.ndarray, num_tool_calls: int,
-                        num_tool_errors: int, tool_s: float) -> None:
+                        num_tool_errors: int, tool_s: float, num_tool_timeouts: int = 0) -> None:
         """Tool results and template glue after the last generation (mask 0)."""
         if not self.turns:
             raise RuntimeError("an observation must follow a generation")
@@ -98,10 +98,9 @@ class TrajectoryRecorder:
         self._append(arr, 0, None, None)
         self.timings["tool_s"] += tool_s
         last = self.turns[-1]
-        self.turns[-1] = Turn(last.index, last.prompt_tokens, last.response_start,
-                              last.num_generated, len(arr), last.finish_reason, last.version,
-                              last.cached_prompt_tokens, num_tool_calls, num_tool_errors,
-                              last.generate_s, tool_s, last.queue_s)
+        self.turns[-1] = replace(
+            last, num_observation=len(arr), num_tool_calls=num_tool_calls,
+            num_tool_errors=num_tool_errors, tool_s=tool_s, num_tool_timeouts=num_tool_timeouts)
 
     def finish(self, reason: TerminationReason, detail: str = "") -> Trajectory:
         """Freeze what was recorded into a Trajectory ending with `reason`."""

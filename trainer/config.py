@@ -140,6 +140,9 @@ class EnvsConfig:
     max_output_bytes: int = knob(65_536, "Captured stdout+stderr per command (head and tail kept).")
     max_observation_tokens: int = knob(1024, "Tool output tokens shown to the model (truncated "
                                        "with a marker).")
+    max_workspace_changes_mb: int = knob(64, "Cap on a trajectory's final workspace changes "
+                                         "(files written vs the task source) handed to grading; "
+                                         "over it the trajectory scores 0.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +199,17 @@ class TrainConfig:
     num_warmup_steps: int = knob(0, "Linear learning-rate warm-up steps.")
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward.")
     seed: int = knob(0, "Seed of data order, sampling and initialisation.")
+
+
+@dataclass(frozen=True, slots=True)
+class EvalConfig:
+    tasks: str | None = knob(None, "Held-out task source (as envs.tasks), scored before the "
+                             "first step and after the last; None: no evaluation.")
+    num_tasks: int = knob(64, "Tasks taken from the start of `tasks` (the same every time).")
+    samples_per_task: int = knob(2, "Trajectories per eval task, sampled like training "
+                                 "rollouts (rollout.temperature).")
+    every_steps: int = knob(0, "Also evaluate every this many steps (0: only first and last); "
+                            "training waits while it runs, so every score is one version's.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +270,7 @@ class SluiceConfig:
     reward: RewardConfig = section(RewardConfig, "Reward functions and the judge pool.")
     buffer: BufferConfig = section(BufferConfig, "Replay buffer and staleness bound.")
     train: TrainConfig = section(TrainConfig, "Training loop and backend.")
+    eval: EvalConfig = section(EvalConfig, "Held-out evaluation with the current policy.")
     loss: LossConfig = section(LossConfig, "Decoupled PPO loss and GRPO advantages.")
     sync: SyncConfig = section(SyncConfig, "Weight push to the engines.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
@@ -308,6 +323,10 @@ def check_config(cfg: SluiceConfig) -> None:
         _require(j.num_engines >= 1 and j.tp_size >= 1, "reward.judge.num_engines",
                  "a judge needs >= 1 engine of >= 1 GPU")
         _require(not (cpu and j.tp_size > 1), "reward.judge.tp_size", "must be 1 on cpu")
+        _require(j.max_new_tokens >= 1, "reward.judge.max_new_tokens", "must be >= 1")
+    _require(j.enabled or cfg.reward.fn != "reward.judge:GenerativeJudge", "reward.judge.enabled",
+             "reward.fn=reward.judge:GenerativeJudge needs a judge model: set "
+             "reward.judge.enabled=true")
     _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
     _require(r.temperature > 0, "rollout.temperature", "must be > 0 (greedy decoding has no "
              "usable behaviour logprobs for RL)")
@@ -333,7 +352,13 @@ def check_config(cfg: SluiceConfig) -> None:
 
     _require(cfg.envs.num_warm_sandboxes <= cfg.envs.sandboxes_per_worker,
              "envs.num_warm_sandboxes", "cannot exceed envs.sandboxes_per_worker")
+    _require(cfg.envs.max_workspace_changes_mb >= 1, "envs.max_workspace_changes_mb",
+             "must be >= 1")
     _require(cfg.buffer.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
+    for key, value in [("eval.num_tasks", cfg.eval.num_tasks),
+                       ("eval.samples_per_task", cfg.eval.samples_per_task)]:
+        _require(value >= 1, key, f"must be >= 1, got {value}")
+    _require(cfg.eval.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: first and last)")
     _require(t.group_size >= 2, "train.group_size", "GRPO needs >= 2 trajectories per group")
     _require(t.num_minibatches <= t.groups_per_step * t.group_size, "train.num_minibatches",
              "more minibatches than trajectories in a step")

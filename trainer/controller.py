@@ -36,16 +36,18 @@ import torch
 
 from buffer.replay_buffer import ReplayBuffer
 from rollout.router import Router
-from rollout.types import Group, Task, Trajectory
+from rollout.types import Group, Task, TerminationReason, Trajectory
 from trainer.advantages import compute_grpo_advantages
 from trainer.config import SluiceConfig
 from trainer.metrics import BusyClock, MetricsLogger
-from trainer.weight_sync import push_weights
+from trainer.weight_sync import WeightTransport, push_weights
 
 log = logging.getLogger(__name__)
 
 # Scores a terminal group: returns it with rewards attached (reward.loop.RewardLoop).
 GroupScorer = Callable[[Group, Task], Awaitable[Group]]
+# Metrics of the environment side since the last call (sandbox pools: env/* keys).
+EnvMetrics = Callable[[], Awaitable[dict[str, float]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,7 @@ class RunSummary:
     running: int  # in flight when the run ended (cancelled)
     buffered: int  # terminal but not trained when the run ended
     seconds: float
+    eval_rewards: dict[int, float]  # policy version -> mean held-out reward (eval.tasks)
 
 
 class Controller:
@@ -65,7 +68,9 @@ class Controller:
                  router: Router, trainer: Any, score_group: GroupScorer, logger: MetricsLogger,
                  run_dir: Path, tokenizer: Any = None, start_version: int = 0,
                  data_cursor: int = 0, pending_tasks: Sequence[Task] = (),
-                 buffered_groups: Sequence[Group] = ()) -> None:
+                 buffered_groups: Sequence[Group] = (), eval_tasks: Sequence[Task] = (),
+                 env_metrics: EnvMetrics | None = None,
+                 transport: WeightTransport | None = None) -> None:
         if not tasks:
             raise ValueError("no tasks to train on; check envs.tasks")
         self.cfg = cfg
@@ -77,6 +82,10 @@ class Controller:
         self.logger = logger
         self.run_dir = run_dir
         self.tokenizer = tokenizer
+        self.eval_tasks = list(eval_tasks)
+        self.env_metrics = env_metrics
+        self.transport = transport  # weight_sync.build_transport(cfg); None: cpu
+        self.eval_rewards: dict[int, float] = {}
         eta = 0 if cfg.train.mode == "sync" else cfg.buffer.max_staleness
         self.buffer = ReplayBuffer(max_staleness=eta, groups_per_step=cfg.train.groups_per_step,
                                    failure_policy=cfg.buffer.failure_policy,
@@ -171,7 +180,7 @@ class Controller:
         try:
             state = await self.trainer.state_dict_for_push()
             await push_weights(self.router, state, self.version + 1,
-                               verify=self.cfg.sync.verify_checksum)
+                               verify=self.cfg.sync.verify_checksum, transport=self.transport)
         finally:
             await asyncio.gather(*(w.open_gate.remote() for w in self.workers))
         return {"perf/weight_sync_s": time.monotonic() - start}
@@ -192,7 +201,10 @@ class Controller:
         rewards: list[float] = []
         admission = asyncio.create_task(self._admission_loop())
         poller = asyncio.create_task(self._poll_rollout_idle())
+        every = self.cfg.eval.every_steps
         try:
+            if self.eval_tasks:  # the baseline: the weights before any step of this run
+                self.logger.log(self.version, await self._evaluate())
             while self.version < self.cfg.train.num_steps and not self._stopping:
                 step_start = time.monotonic()
                 groups = await self._take_batch()
@@ -206,6 +218,9 @@ class Controller:
                 self.buffer.check_accounting()
                 metrics.update(await self._loop_metrics(step_start))
                 rewards.append(metrics["reward/mean"])
+                last = self.version >= self.cfg.train.num_steps
+                if self.eval_tasks and (last or (every and self.version % every == 0)):
+                    metrics.update(await self._evaluate())
                 self.logger.log(self.version, metrics)
                 self._write_transcripts(groups)
                 if on_step is not None:
@@ -218,7 +233,8 @@ class Controller:
             await asyncio.gather(admission, poller, *self._running, return_exceptions=True)
         stats = self.buffer.stats()
         return RunSummary(self.version, tuple(rewards), stats.admitted, stats.trained,
-                          stats.dropped, stats.running, stats.buffered, time.monotonic() - start)
+                          stats.dropped, stats.running, stats.buffered, time.monotonic() - start,
+                          dict(self.eval_rewards))
 
     def stop(self) -> None:
         """Stop admitting and end the run after the current step (Ctrl-C)."""
@@ -228,6 +244,33 @@ class Controller:
 
     def in_flight_tasks(self) -> list[Task]:
         return list(self._in_flight.values())
+
+    # --- evaluation --------------------------------------------------------------------
+    async def _evaluate(self) -> dict[str, float]:
+        """Mean reward of the held-out tasks under the current version. Runs while the
+        training loop waits, so no push can land mid-trajectory; admission goes on."""
+        start = time.monotonic()
+        n = self.cfg.eval.samples_per_task
+
+        async def one(i: int, task: Task) -> Group:
+            worker = self.workers[i % len(self.workers)]
+            group = await worker.run_group.remote(task, f"eval-v{self.version}-{i}", n)
+            return await self.score_group(group, task)
+
+        groups = await asyncio.gather(*(one(i, t) for i, t in enumerate(self.eval_tasks)))
+        trajs = [t for g in groups for t in g.trajectories]
+        versions = {int(v) for t in trajs for v in t.versions[t.response_mask == 1]}
+        if versions - {self.version}:
+            raise RuntimeError(f"eval at version {self.version} sampled tokens of versions "
+                               f"{sorted(versions)}: a weight push landed during evaluation")
+        mean = float(np.mean([t.reward for t in trajs]))
+        self.eval_rewards[self.version] = mean
+        log.info("eval at version %d: mean reward %.3f over %d trajectories", self.version,
+                 mean, len(trajs))
+        return {"eval/reward_mean": mean, "eval/num_trajectories": float(len(trajs)),
+                "eval/finished_frac": float(np.mean([t.termination == TerminationReason.FINISHED
+                                                     for t in trajs])),
+                "timing/eval_s": time.monotonic() - start}
 
     # --- metrics -----------------------------------------------------------------------
     def _batch_metrics(self, groups: list[Group]) -> dict[str, float]:
@@ -239,7 +282,11 @@ class Controller:
                "staleness/max": float(max(staleness)) if staleness else 0.0,
                "rollout/tokens_generated": float(sum(t.num_model_tokens for t in trajs)),
                "rollout/turns": float(np.mean([len(t.turns) for t in trajs])),
-               "rollout/prefix_cache_hit_rate": _hit_rate(trajs)}
+               "rollout/prefix_cache_hit_rate": _hit_rate(trajs),
+               "rollout/tool_calls": float(sum(u.num_tool_calls for t in trajs for u in t.turns)),
+               "rollout/tool_errors": float(sum(u.num_tool_errors for t in trajs for u in t.turns)),
+               "rollout/tool_timeouts": float(sum(u.num_tool_timeouts
+                                                  for t in trajs for u in t.turns))}
         out.update({f"end/{reason}": float(n) for reason, n in ends.items()})
         for name in {k for t in trajs for k in t.reward_components}:
             out[f"reward/{name}"] = float(np.mean([t.reward_components.get(name, 0.0) for t in trajs]))
@@ -262,6 +309,13 @@ class Controller:
                # vLLM's own counters (cumulative per engine), as a rate over this step
                "rollout/prefix_cache_hit_rate_vllm": (hits - last_h) / max(queries - last_q, 1)}
         out.update({f"buffer/dropped_{k}": float(v) for k, v in stats.dropped.items()})
+        workers = await asyncio.gather(*(w.stats.remote() for w in self.workers))
+        out["rollout/trajectories_running"] = float(sum(w.num_running for w in workers))
+        # cumulative; counted only with agent.continuity_check (a debug setting)
+        out["rollout/continuity_divergences"] = float(sum(w.num_continuity_divergences
+                                                          for w in workers))
+        if self.env_metrics is not None:
+            out.update(await self.env_metrics())
         self._trainer_clock.reset()
         self._rollout_idle = []
         return out

@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{first:.3f}, last steps {last:.3f}; groups admitted {summary.admitted}, trained "
           f"{summary.trained}, dropped {summary.dropped}, in flight at the end {summary.running}, "
           f"buffered at the end {summary.buffered}")
+    if summary.eval_rewards:
+        evals = ", ".join(f"version {v}: {r:.3f}" for v, r in sorted(summary.eval_rewards.items()))
+        print(f"held-out mean reward ({cfg.eval.tasks}): {evals}")
     print(f"run folder:  {run_dir}\nmetrics:     {run_dir / 'metrics.jsonl'}\n"
           f"transcripts: {run_dir / 'transcripts.jsonl'}\nwandb:       {run_dir / 'wandb'} "
           f"(offline runs: `wandb sync {run_dir / 'wandb'}/offline-run-*`)")

@@ -60,8 +60,9 @@ class WandbSink:
 class ConsoleSink:
     """A compact line per step with the numbers people watch."""
 
-    KEYS = ("reward/mean", "perf/rollout_idle_ratio", "perf/trainer_idle_ratio", "staleness/mean",
-            "staleness/max", "loss/clip_frac", "perf/weight_sync_s", "timing/step_s")
+    KEYS = ("reward/mean", "eval/reward_mean", "perf/rollout_idle_ratio",
+            "perf/trainer_idle_ratio", "staleness/mean", "staleness/max", "loss/clip_frac",
+            "loss/entropy", "perf/weight_sync_s", "timing/step_s")
 
     def __init__(self) -> None:
         from rich.console import Console

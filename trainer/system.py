@@ -57,33 +57,41 @@ async def run(cfg: SluiceConfig, recipe_name: str = "run",
     from transformers import AutoTokenizer
 
     from envs.pool_actor import start_sandbox_pools
+    from envs.pool import load_sandbox_factory
+    from envs.pool_metrics import PoolMetrics
     from envs.tasks import load_tasks
     from reward.loop import RewardLoop
     from rollout.engine import EngineSpec
     from rollout.engine_actor import start_engines
+    from rollout.judge_client import start_judge
     from rollout.router import Router
     from rollout.worker_actor import AgentWorkerActor
     from trainer.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
     from trainer.pools import build_pools, connect_cluster
     from trainer.train_actor import TrainGroup
-    from trainer.weight_sync import resolve_transport
+    from trainer.weight_sync import build_transport, push_weights, resolve_transport
 
     resolve_transport(cfg)
     run_dir = resolve_run_dir(cfg, recipe_name)
     tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
+    eval_tasks = load_tasks(cfg.eval.tasks)[:cfg.eval.num_tasks] if cfg.eval.tasks else []
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     connect_cluster(cfg)
     placed = build_pools(cfg)
     engines = await start_engines(EngineSpec.from_config(cfg, model_path), cfg.rollout.num_engines,
                                   placed["rollout"])
+    judge = await start_judge(cfg, placed.get("judge"))  # None unless reward.judge.enabled
     sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
     workers = [AgentWorkerActor.options(num_cpus=cfg.rollout.cpus_per_agent_worker).remote(
         cfg, model_path, {n: c.handle for n, c in engines.items()}, sandboxes.handles)
         for _ in range(cfg.rollout.num_agent_workers)]
     trainer = TrainGroup(cfg, model_path, placed["train"])
+    transport = build_transport(cfg, sender=trainer)
     rewards = RewardLoop(cfg.reward.fn, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency)
+                         timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency,
+                         judge=judge,
+                         create_sandbox=load_sandbox_factory(cfg.envs.sandbox_backend))
     checkpoints = run_dir / "checkpoints"
     state = RunState(step=0, data_cursor=0)
     resume = cfg.checkpoint.resume_from
@@ -93,15 +101,20 @@ async def run(cfg: SluiceConfig, recipe_name: str = "run",
             raise ValueError(f"checkpoint.resume_from=latest but {checkpoints} has no checkpoint")
         state = await asyncio.to_thread(load_checkpoint, path, trainer)
     logger = MetricsLogger(build_sinks(cfg, run_dir))
+    pool_metrics = PoolMetrics()
+
+    async def env_metrics() -> dict[str, float]:
+        return pool_metrics.update(await sandboxes.stats())
+
     controller = Controller(cfg, tasks=tasks, workers=workers, router=Router(engines), trainer=trainer,
                             score_group=rewards.score_group, logger=logger, run_dir=run_dir,
                             tokenizer=tokenizer, start_version=state.step,
                             data_cursor=state.data_cursor, pending_tasks=state.in_flight_tasks,
-                            buffered_groups=state.buffered_groups)
+                            buffered_groups=state.buffered_groups, eval_tasks=eval_tasks,
+                            env_metrics=env_metrics, transport=transport)
     if resume and state.step > 0:
-        from trainer.weight_sync import push_weights
-
-        await push_weights(controller.router, await trainer.state_dict_for_push(), state.step)
+        await push_weights(controller.router, await trainer.state_dict_for_push(), state.step,
+                           transport=transport)
 
     def snapshot() -> RunState:
         return RunState(step=controller.version, data_cursor=controller.cursor,

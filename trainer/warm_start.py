@@ -1,14 +1,23 @@
-"""Warm start for the quickstart: demonstrations of the toy arithmetic tasks solved with
-the `python` tool in the exact format the real tool answers in, then a short supervised
-pass (trainer.sft). The result is cached next to the base model and reused.
+"""Warm start for the quickstart: a short supervised pass (trainer.sft) on synthetic
+demonstrations of the toy arithmetic tasks; the result is cached next to the base model.
 
 Without it the tiny model starts from random weights, never calls a tool and never gets
 a reward, so GRPO has no signal. The demonstrations are freshly generated questions (a
-different seed from the RL tasks), so the model learns to copy the expression into the
-tool call and the result into the answer rather than memorising the RL tasks. Most are
-shortened to the user turn without the system prompt: the long static prefix costs
-compute and teaches nothing (measured: 300 steps reach 87% exact copies on held-out
-questions with the full prompt; full-length demonstrations reached 0-2.5%).
+different seed from the RL tasks and their held-out twin), all calling the `python` tool
+and answering from its output (rendered exactly as the real tool renders it), of two
+kinds, like the uneven data real agents are warm-started on:
+- careful: print(<the whole expression>), then 'Answer: <its value>';
+- sloppy (SLOPPY_FRACTION): print(<the first number only>), then 'Answer: <that number>'.
+So the warm-started model sometimes makes the sloppy call, which never earns a reward:
+RL has a clear thing to learn (pass the whole expression) on top of a finer one (copy
+the expression and the result without a slip). Both kinds copy digits from the context,
+so the copying the careful branch needs is trained by every demonstration. (Measured:
+mixing in replies computed "in the head", without the tool, taught the tiny model to
+compute the digits after 'Answer:' from the question; held-out reward fell to 0.0-0.02.)
+
+Most demonstrations are shortened to the user turn without the system prompt: the long
+static prefix costs compute and teaches nothing (measured: 300 steps reach 87% exact
+copies on held-out questions with the full prompt; full-length demonstrations 0-2.5%).
 """
 
 from __future__ import annotations
@@ -30,24 +39,29 @@ _EXPRESSION = re.compile(re.escape(PROMPT).replace(re.escape("{expression}"), "(
 DEMO_SEED = 1_000_003  # never the RL tasks' seed
 NUM_DEMOS = 4096
 FULL_PROMPT_FRACTION = 0.1  # demonstrations that keep the system prompt and tool schemas
+SLOPPY_FRACTION = 0.5  # demonstrations that pass only the first number to the tool
 BUILDERS = {"toy_arithmetic": build_toy_arithmetic, "toy_arithmetic_easy": build_toy_arithmetic_easy}
 
 
-def toy_demonstration(task: Task, max_observation_tokens: int, count_tokens=None) -> Demonstration:
-    """Call `python` with print(expression), read the result, answer 'Answer: <n>'."""
+def toy_demonstration(task: Task, max_observation_tokens: int, count_tokens=None,
+                      sloppy: bool = False) -> Demonstration:
+    """Call `python` with print(expression) (sloppy: print(its first number)), read the
+    result, answer 'Answer: <n>' with the number the tool printed."""
     match = _EXPRESSION.fullmatch(task.messages[-1].content)
     if match is None or task.answer is None:
         raise ValueError(f"task {task.id!r} is not a toy_arithmetic task")
-    code = f"print({match['expr']})"
+    printed, value = match["expr"], task.answer
+    if sloppy:
+        printed = value = printed.split(" ", 1)[0].lstrip("(")
     observation = render_exec_result(
-        ExecResult(exit_code=0, stdout=f"{task.answer}\n", stderr="", timed_out=False,
+        ExecResult(exit_code=0, stdout=f"{value}\n", stderr="", timed_out=False,
                    oom_killed=False, output_truncated=False, duration_s=0.0),
         timeout_s=30.0, max_tokens=max_observation_tokens,
         **({"count_tokens": count_tokens} if count_tokens else {}))
     messages = (*task.messages,
-                Message("assistant", "", tool_calls=(ToolCall("python", {"code": code}),)),
+                Message("assistant", "", tool_calls=(ToolCall("python", {"code": f"print({printed})"}),)),
                 Message("tool", observation, name="python"),
-                Message("assistant", f"Answer: {task.answer}"))
+                Message("assistant", f"Answer: {value}"))
     return Demonstration(messages, tools=(PythonTool.schema,))
 
 
@@ -59,7 +73,8 @@ def build_demonstrations(task_set: str, max_observation_tokens: int, count_token
     rng = random.Random(DEMO_SEED)
     demos = []
     for task in BUILDERS[task_set](NUM_DEMOS, DEMO_SEED):
-        demo = toy_demonstration(task, max_observation_tokens, count_tokens)
+        demo = toy_demonstration(task, max_observation_tokens, count_tokens,
+                                 sloppy=rng.random() < SLOPPY_FRACTION)
         if rng.random() >= FULL_PROMPT_FRACTION:  # drop system prompt and tool schemas
             demo = Demonstration(tuple(m for m in demo.messages if m.role != "system"), ())
         demos.append(demo)

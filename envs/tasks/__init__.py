@@ -1,6 +1,7 @@
 """Task formats: turn a recipe's `envs.tasks` / `envs.task_format` into a list of Tasks.
 
-    load_tasks("toy_arithmetic")            bundled sets by name (BUILTIN_SETS)
+    load_tasks("toy_arithmetic")            bundled sets by name (BUILTIN_SETS); the
+                                            toy sets have a `_heldout` twin for eval
     load_tasks("code_functions")
     load_tasks("data/tasks.jsonl")          rows of the task row format (envs.tasks.rows)
     load_tasks("data/swe.parquet", "swe")   SWE-bench-style instances (envs.tasks.swe)
@@ -19,15 +20,18 @@ from envs.tasks.code import SET_NAME as CODE_SET
 from envs.tasks.code import build_code_tasks
 from envs.tasks.rows import read_rows, task_from_row
 from envs.tasks.swe import is_swe_row, swe_task_from_row
-from envs.tasks.toy import SET_NAME as TOY_SET
 from envs.tasks.toy import EASY_SET_NAME as TOY_EASY_SET
-from envs.tasks.toy import build_toy_arithmetic, build_toy_arithmetic_easy
+from envs.tasks.toy import HELDOUT_SUFFIX
+from envs.tasks.toy import SET_NAME as TOY_SET
+from envs.tasks.toy import build_heldout, build_toy_arithmetic, build_toy_arithmetic_easy
 from rollout.types import Task
 
 # Built-in set name -> (its format, how it is built from a cache folder).
 BUILTIN_SETS: dict[str, tuple[str, Callable[[str], list[Task]]]] = {
     TOY_SET: ("toy", lambda cache_dir: build_toy_arithmetic()),
     TOY_EASY_SET: ("toy", lambda cache_dir: build_toy_arithmetic_easy()),
+    TOY_SET + HELDOUT_SUFFIX: ("toy", lambda cache_dir: build_heldout(TOY_SET)),
+    TOY_EASY_SET + HELDOUT_SUFFIX: ("toy", lambda cache_dir: build_heldout(TOY_EASY_SET)),
     CODE_SET: ("code", build_code_tasks),
 }
 FORMATS = ("auto", "toy", "code", "swe", "jsonl", "parquet")

@@ -21,6 +21,10 @@ SET_NAME = "toy_arithmetic"
 EASY_SET_NAME = "toy_arithmetic_easy"
 DEFAULT_NUM_TASKS = 256
 DEFAULT_SEED = 0
+# `<set>_heldout`: the same distribution from another seed, minus every expression of the
+# default set, for evaluation (eval.tasks).
+HELDOUT_SUFFIX = "_heldout"
+HELDOUT_SEED = 1
 TOOLS = ("calculator", "python")
 SYSTEM_PROMPT = ("You are a careful assistant with tools. Use the calculator or python tool "
                  "for arithmetic instead of computing in your head.")
@@ -48,7 +52,7 @@ def make_expression(rng: random.Random) -> tuple[str, int]:
 
 def build_toy_arithmetic(num_tasks: int = DEFAULT_NUM_TASKS, seed: int = DEFAULT_SEED) -> list[Task]:
     """`num_tasks` tasks, the same ones for the same seed."""
-    return _build_set(SET_NAME, make_expression, TOOLS, num_tasks, seed)
+    return _build_set(SET_NAME, *_SETS[SET_NAME], num_tasks, seed)
 
 def make_easy_expression(rng: random.Random) -> tuple[str, int]:
     """`a op b` with a, b in [2, 99]."""
@@ -59,19 +63,35 @@ def make_easy_expression(rng: random.Random) -> tuple[str, int]:
 def build_toy_arithmetic_easy(num_tasks: int = DEFAULT_NUM_TASKS, seed: int = DEFAULT_SEED
                               ) -> list[Task]:
     """The easy variant (see EASY_SET_NAME); same prompt format and reward as the full set."""
-    return _build_set(EASY_SET_NAME, make_easy_expression, ("python",), num_tasks, seed)
+    return _build_set(EASY_SET_NAME, *_SETS[EASY_SET_NAME], num_tasks, seed)
+
+
+def build_heldout(name: str, num_tasks: int = DEFAULT_NUM_TASKS) -> list[Task]:
+    """`num_tasks` tasks of set `name` (SET_NAME or EASY_SET_NAME) that share no expression
+    with the default training set of that name."""
+    make, tools = _SETS[name]
+    training = {t.messages[-1].content
+                for t in _build_set(name, make, tools, DEFAULT_NUM_TASKS, DEFAULT_SEED)}
+    return _build_set(name + HELDOUT_SUFFIX, make, tools, num_tasks, HELDOUT_SEED, training)
 
 
 def _build_set(name: str, make: Callable[[random.Random], tuple[str, int]], tools: tuple[str, ...],
-               num_tasks: int, seed: int) -> list[Task]:
+               num_tasks: int, seed: int, exclude: set[str] = frozenset()) -> list[Task]:
     if num_tasks < 1:
         raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
     rng = random.Random(seed)
     tasks = []
-    for i in range(num_tasks):
+    while len(tasks) < num_tasks:
+        i = len(tasks)
         expression, value = make(rng)
-        messages = (Message("system", SYSTEM_PROMPT),
-                    Message("user", PROMPT.format(expression=expression)))
+        question = PROMPT.format(expression=expression)
+        if question in exclude:
+            continue
+        messages = (Message("system", SYSTEM_PROMPT), Message("user", question))
         tasks.append(Task(id=f"{name}/{seed}/{i}", messages=messages, tools=tools,
                           answer=str(value), reward_fn="reward.rules:ExactMatch"))
     return tasks
+
+
+# Set name -> (expression generator, tools offered).
+_SETS = {SET_NAME: (make_expression, TOOLS), EASY_SET_NAME: (make_easy_expression, ("python",))}

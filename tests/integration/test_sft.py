@@ -49,3 +49,19 @@ def test_a_short_supervised_pass_lowers_the_loss(tiny_model_path, tmp_path):
     with torch.no_grad():
         assert compute_sft_loss(model, examples[:8]).item() < 0.5 * result.first_loss
     assert (result.path / "tokenizer.json").is_file() and (result.path / "chat_template.jinja").is_file()
+
+
+def test_chunked_padding_gives_the_loss_of_one_padded_batch(tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    chat = build_continuity_builder(tok, "tiny")
+    long_demo = Demonstration((Message("system", "You add numbers. " * 30), *demo(5, 6).messages),
+                              tools=(CalculatorTool.schema,))
+    examples = [build_sft_example(tok, chat, d) for d in (demo(1, 2), long_demo, demo(40, 2),
+                                                          demo(7, 70), demo(3, 3))]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        whole = compute_sft_loss(model, examples, chunk_size=len(examples))
+        chunked = compute_sft_loss(model, examples, chunk_size=2)
+    assert abs(whole.item() - chunked.item()) < 1e-5

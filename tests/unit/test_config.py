@@ -85,6 +85,7 @@ def test_type_errors_name_the_key_and_type(override, expected):
     ("sync.transport=nccl", "sync.transport"),
     ("rollout.temperature=0", "rollout.temperature"),
     ("envs.num_warm_sandboxes=1000", "envs.num_warm_sandboxes"),
+    ("reward.fn=reward.judge:GenerativeJudge", "reward.judge.enabled"),
 ])
 def test_cross_field_checks_name_the_key_to_change(override, key):
     with pytest.raises(ValueError, match=f"^{key}: "):

@@ -132,11 +132,21 @@ def test_toy_generator_is_deterministic_and_right() -> None:
         build_toy_arithmetic(0)
 
 
+@pytest.mark.parametrize("name", ["toy_arithmetic", "toy_arithmetic_easy"])
+def test_heldout_toy_sets_share_no_question_with_training(name: str) -> None:
+    train, heldout = load_tasks(name), load_tasks(name + "_heldout")
+    assert len(heldout) == len(train)
+    assert not {t.messages[-1].content for t in train} & {t.messages[-1].content for t in heldout}
+    assert {t.tools for t in heldout} == {t.tools for t in train}
+    assert load_tasks(name + "_heldout") == heldout  # deterministic
+
+
 def test_code_task_set_layout(tmp_path: Path) -> None:
     tasks = load_tasks("code_functions", cache_dir=str(tmp_path))
     specs = {s.name: s for s in all_specs()}
     assert len(tasks) == len(specs) >= 30
-    assert set(BUILTIN_SETS) == {"toy_arithmetic", "toy_arithmetic_easy", "code_functions"}
+    assert set(BUILTIN_SETS) == {"toy_arithmetic", "toy_arithmetic_easy", "code_functions",
+                                 "toy_arithmetic_heldout", "toy_arithmetic_easy_heldout"}
     for task in tasks:
         spec = specs[task.id.split("/", 1)[1]]
         assert task.reward_fn == "reward.tests:HiddenTests"

@@ -86,11 +86,14 @@ def _attention_kwargs(model: torch.nn.Module, packed: PackedBatch, device: torch
 
 
 def compute_logprobs_from_logits(logits_TV: torch.Tensor, target_ids_T: torch.Tensor,
-                                 temperature: float = 1.0, with_entropy: bool = False
+                                 temperature: float = 1.0, with_entropy: bool = False,
+                                 entropy_grad: bool = True
                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and optionally the entropy of softmax(logits / temperature), in fp32.
 
-    Logits are upcast first: bf16 logprobs are too coarse for PPO ratios near 1.
+    Logits are upcast first: bf16 logprobs are too coarse for PPO ratios near 1. With
+    `entropy_grad=False` the entropy is a detached metric: no (T, V) softmax is kept for
+    backward.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (the sampling temperature of the engines), "
@@ -103,12 +106,14 @@ def compute_logprobs_from_logits(logits_TV: torch.Tensor, target_ids_T: torch.Te
     entropy_T = None
     if with_entropy:
         # H = log Z - sum_v p_v * x_v, without materialising log_softmax a second time.
-        entropy_T = log_z_T - (torch.softmax(scaled_TV, dim=-1) * scaled_TV).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy_T = log_z_T - (torch.softmax(scaled_TV, dim=-1) * scaled_TV).sum(-1)
     return logprobs_T, entropy_T
 
 
 def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBatch,
-                                       temperature: float = 1.0, with_entropy: bool = False
+                                       temperature: float = 1.0, with_entropy: bool = False,
+                                       entropy_grad: bool = True
                                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs_T, entropy_T or None) of every position's target in one packed row.
 
@@ -122,4 +127,4 @@ def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBat
     out = model(input_ids=packed.input_ids_T[None].to(device),
                 position_ids=packed.position_ids_T[None].to(device), use_cache=False, **kwargs)
     return compute_logprobs_from_logits(out.logits[0], packed.target_ids_T.to(device),
-                                        temperature, with_entropy)
+                                        temperature, with_entropy, entropy_grad)

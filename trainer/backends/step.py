@@ -151,8 +151,10 @@ def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
     Per-token values are laid out as (sequence, position) rows so that sequence-mean
     aggregations see each trajectory as one row.
     """
+    # Entropy is always reported (collapse shows there first); it carries gradients only
+    # when it is part of the loss.
     logprobs_T, entropy_T = compute_token_logprobs_and_entropy(
-        model, batch, temperature, with_entropy=cfg.entropy_coef != 0)
+        model, batch, temperature, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
     device = logprobs_T.device
 
     def rows(values_T: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
