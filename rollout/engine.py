@@ -123,7 +123,11 @@ class VLLMEngine:
             tensor_parallel_size=s.tp_size, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
             gpu_memory_utilization=s.gpu_memory_utilization, max_num_seqs=s.max_num_seqs,
             enable_prefix_caching=s.enable_prefix_caching, enforce_eager=s.enforce_eager,
-            seed=s.seed, worker_extension_cls=EXTENSION, disable_log_stats=False)
+            seed=s.seed, worker_extension_cls=EXTENSION, disable_log_stats=False,
+            # Behaviour logprobs of the distribution tokens were sampled from (after the
+            # temperature), which is what the trainer recomputes; vLLM's default reports
+            # the raw logits' logprobs, wrong for any temperature != 1.
+            logprobs_mode="processed_logprobs")
         start = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(args)
         log.info("engine %s started in %.1fs", s.model_path, time.monotonic() - start)

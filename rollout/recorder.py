@@ -53,6 +53,16 @@ class TrajectoryRecorder:
         """Everything so far: what the next generate call sends."""
         return self._context
 
+    def generation_at(self, position: int) -> np.ndarray | None:
+        """The ids of the generation (one turn's sampled tokens) that covers context
+        position `position`; None where the position is prompt or observation."""
+        start = len(self.prompt_ids)
+        for ids, mask in zip(self._ids, self._mask):
+            if start <= position < start + len(ids):
+                return ids if mask[0] == 1 else None
+            start += len(ids)
+        return None
+
     def room_for_generation(self) -> int:
         """Most tokens the next turn may generate within all three budgets."""
         b = self.budgets

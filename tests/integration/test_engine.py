@@ -53,6 +53,20 @@ async def test_generate_returns_tokens_logprobs_and_versions(engine, tiny_model_
     assert np.abs(out.logprobs - ref).mean() < 1e-3
 
 
+async def test_behaviour_logprobs_are_of_the_tempered_distribution(engine, tiny_model_path):
+    """What the trainer recomputes (logits / temperature): the engine must report the
+    same, not the raw logits' logprobs, or every importance weight is off."""
+    from trainer.backends.logprobs import compute_logprobs_from_logits
+
+    out = await engine.generate("temp-1", PROMPT, Sampling(max_new_tokens=40, temperature=0.6,
+                                                            seed=5))
+    ids = torch.tensor(list(PROMPT) + out.token_ids.tolist())
+    with torch.no_grad():
+        logits = _hf_model(tiny_model_path)(ids[None]).logits[0, :-1]
+    ref, _ = compute_logprobs_from_logits(logits, ids[1:], temperature=0.6)
+    assert np.abs(out.logprobs - ref[len(PROMPT) - 1:].numpy()).mean() < 1e-3
+
+
 async def test_update_weights_changes_outputs_and_versions_advance(engine, tiny_model_path):
     sampling = Sampling(max_new_tokens=24, seed=11)
     before = await engine.generate("upd-before", PROMPT, sampling)

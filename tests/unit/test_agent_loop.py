@@ -33,7 +33,8 @@ def tokenizer():
 
 class ScriptedEngine:
     """Stand-in engine: replies to each session's k-th turn with script[k] (cycling), plus the stop
-    token unless the script entry starts with 'LENGTH:' (a cut-off generation)."""
+    token unless the script entry starts with 'LENGTH:' (a cut-off generation). An entry
+    may also be a list of token ids, sent as they are (plus the stop token)."""
 
     def __init__(self, tokenizer, script: list[str], delay_s: float = 0.0) -> None:
         self.tokenizer, self.script, self.delay_s = tokenizer, script, delay_s
@@ -48,8 +49,11 @@ class ScriptedEngine:
         text = self.script[(len(self.prompts[session]) - 1) % len(self.script)]
         self.n += 1
         await asyncio.sleep(self.delay_s)
+        if isinstance(text, list):
+            text, ids = "", list(text)
+        else:
+            ids = self.tokenizer.encode(text.removeprefix("LENGTH:"), add_special_tokens=False)
         cut = text.startswith("LENGTH:")
-        ids = self.tokenizer.encode(text.removeprefix("LENGTH:"), add_special_tokens=False)
         ids = ids[:sampling.max_new_tokens] if cut else ids + [self.eos]
         if len(ids) > sampling.max_new_tokens:
             ids, cut = ids[:sampling.max_new_tokens], True
@@ -249,6 +253,21 @@ async def test_continuity_check_mode_finds_no_divergence_on_clean_turns(tokenize
     worker, _ = make_worker(tokenizer, script)
     worker.settings = dataclasses.replace(worker.settings, continuity_check=True)
     await worker.run_group(TASK, "g", 2)
+    assert worker.stats().num_continuity_divergences == 0
+
+
+async def test_continuity_check_ignores_generations_that_do_not_retokenize(tokenizer):
+    """A model may sample a non-canonical split of its text; the trajectory keeps those ids
+    (so a re-render differs there) and the check must not blame the template for it."""
+    import dataclasses
+
+    text = "The answer is 5."
+    by_char = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+    assert by_char != tokenizer.encode(text, add_special_tokens=False)
+    worker, _ = make_worker(tokenizer, [call("calculator", expression="2+3"), by_char])
+    worker.settings = dataclasses.replace(worker.settings, continuity_check=True)
+    group = await worker.run_group(TASK, "g", 2)
+    assert all(t.termination == TerminationReason.FINISHED for t in group.trajectories)
     assert worker.stats().num_continuity_divergences == 0
 
 
