@@ -77,14 +77,14 @@ async def test_a_stale_or_different_engine_is_an_error(router, tiny_model_path):
         await verify_engines(router, pushed, 5)
 
 
-def test_checksum_names_are_norm_weights(tiny_model_path):
+async def test_checksum_names_are_norm_weights(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     names = checksum_names(AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict())
     assert 1 <= len(names) <= 4 and all(n.endswith("norm.weight") for n in names)
 
 
-def test_transport_resolution():
+async def test_transport_resolution():
     assert resolve_transport(load_config("quickstart.yaml")) == "cpu"
     assert resolve_transport(load_config("swe_grpo.yaml")) == "nccl"
 
