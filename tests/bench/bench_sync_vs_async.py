@@ -5,7 +5,8 @@
                                               [--slow-fraction 0.1]
 
 Each run is `python -m trainer.main recipe=quickstart.yaml` (real Ray, vLLM, sandboxes,
-DeepSpeed) with `agent.loop` set to heavy_tail_loop:HeavyTailToolLoop: every tool turn
+DeepSpeed; no held-out eval, whose time would land in the last step) with `agent.loop`
+set to heavy_tail_loop:HeavyTailToolLoop: every tool turn
 takes an extra `--base-s`, a `--slow-fraction` of them ten times that. Modes alternate
 (sync, async, sync, ...) so machine noise hits both. Reports, from each run's
 metrics.jsonl and excluding the first step (engine start-up, first batch): steps per
@@ -33,7 +34,7 @@ def run_once(mode: str, steps: int, out_dir: Path, env: dict[str, str]) -> dict[
     name = f"{mode}-{int(time.time())}"
     cmd = [sys.executable, "-m", "trainer.main", "recipe=quickstart.yaml", f"train.mode={mode}",
            f"train.num_steps={steps}", "agent.loop=heavy_tail_loop:HeavyTailToolLoop",
-           f"logging.output_dir={out_dir}", f"logging.run_name={name}",
+           f"logging.output_dir={out_dir}", f"logging.run_name={name}", "eval.tasks=null",
            "logging.wandb_mode=disabled", "logging.console=false"]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
