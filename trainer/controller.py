@@ -9,6 +9,10 @@
                                                             turns drain, tools keep running),
                                                             push + verify, open gates
 
+Held-out evaluation (eval.tasks) runs before the first step and after the last (and every
+eval.every_steps) while the training loop waits, so no push lands in it: each score is
+one version's. Admission goes on meanwhile.
+
 Back-pressure: admission stops when the staleness budget is spent, so rollout never
 produces groups that would only be evicted; the trainer waits (idle) when the buffer holds
 fewer than `train.groups_per_step` groups. `train.mode=sync` is the same machinery with
@@ -257,8 +261,14 @@ class Controller:
             group = await worker.run_group.remote(task, f"eval-v{self.version}-{i}", n)
             return await self.score_group(group, task)
 
-        groups = await asyncio.gather(*(one(i, t) for i, t in enumerate(self.eval_tasks)))
-        trajs = [t for g in groups for t in g.trajectories]
+        results = await asyncio.gather(*(one(i, t) for i, t in enumerate(self.eval_tasks)),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for exc in failed[:3]:  # an evaluation problem is reported, never ends the run
+            log.error("eval at version %d: a group failed: %r", self.version, exc)
+        trajs = [t for g in results if isinstance(g, Group) for t in g.trajectories]
+        if not trajs:
+            return {"eval/failed_groups": float(len(failed))}
         versions = {int(v) for t in trajs for v in t.versions[t.response_mask == 1]}
         if versions - {self.version}:
             raise RuntimeError(f"eval at version {self.version} sampled tokens of versions "
@@ -268,6 +278,7 @@ class Controller:
         log.info("eval at version %d: mean reward %.3f over %d trajectories", self.version,
                  mean, len(trajs))
         return {"eval/reward_mean": mean, "eval/num_trajectories": float(len(trajs)),
+                "eval/failed_groups": float(len(failed)),
                 "eval/finished_frac": float(np.mean([t.termination == TerminationReason.FINISHED
                                                      for t in trajs])),
                 "timing/eval_s": time.monotonic() - start}
