@@ -56,8 +56,8 @@ async def run(cfg: SluiceConfig, recipe_name: str = "run",
     import ray
     from transformers import AutoTokenizer
 
-    from envs.pool_actor import start_sandbox_pools
     from envs.pool import load_sandbox_factory
+    from envs.pool_actor import start_sandbox_pools
     from envs.pool_metrics import PoolMetrics
     from envs.tasks import load_tasks
     from reward.loop import RewardLoop
