@@ -178,7 +178,8 @@ class ContainerSandbox(workspace.HostWorkspaceFiles):
                 outcome = await run_launcher(
                     launcher, env=engines.engine_env(), stdin=stdin, timeout_s=timeout_s,
                     max_output_bytes=self._limits.max_output_bytes, kill_tree=self._kill_tree,
-                    exit_grace_s=self._config.exit_grace_s, label=f"container {self._container[:12]}")
+                    exit_grace_s=self._config.exit_grace_s, label=f"container {self._container[:12]}",
+                    cwd=self._sandbox_dir)  # conmon drops files (e.g. `oom`) in its cwd
             finally:
                 await asyncio.to_thread(self._clear_private_dirs)
             return outcome.to_result(oom_killed=self._cgroup.oom_kills() > oom_before)

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -66,13 +67,21 @@ def run_engine(engine: ContainerEngine, *args: str, stdin: bytes | None = None,
     """Run one engine command to completion; its stdout, or OSError with its stderr."""
     try:
         done = subprocess.run(engine.command(*args), input=stdin, capture_output=True,
-                              env=engine_env(), timeout=timeout_s, check=False)
+                              env=engine_env(), timeout=timeout_s, check=False,
+                              cwd=_engine_cwd())
     except subprocess.TimeoutExpired:
         raise OSError(f"`{engine.name} {' '.join(args[:2])}` took over {timeout_s:.0f}s") from None
     if done.returncode != 0:
         raise OSError(f"`{engine.name} {' '.join(args[:2])}` failed ({done.returncode}): "
                       f"{done.stderr.decode(errors='replace').strip()[-800:]}")
     return done.stdout.decode(errors="replace")
+
+
+@functools.cache
+def _engine_cwd() -> str:
+    """A private working folder for engine commands: conmon writes files such as `oom`
+    into its working directory, which must not be the caller's (e.g. a repository)."""
+    return tempfile.mkdtemp(prefix="sluice-container-engine-")
 
 
 @functools.cache

@@ -40,12 +40,13 @@ class LaunchOutcome:
 
 async def run_launcher(argv: list[str], *, env: Mapping[str, str], stdin: str | None,
                        timeout_s: float, max_output_bytes: int, kill_tree: KillTree,
-                       exit_grace_s: float, label: str) -> LaunchOutcome:
-    """Run `argv` (the launcher of one command) until it exits or `timeout_s` passes."""
+                       exit_grace_s: float, label: str, cwd: str | None = None) -> LaunchOutcome:
+    """Run `argv` (the launcher of one command) until it exits or `timeout_s` passes, in
+    `cwd` (None: this process's)."""
     out, err = HeadTailBuffer(max_output_bytes), HeadTailBuffer(max_output_bytes)
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=dict(env), start_new_session=True,
+        *argv, env=dict(env), start_new_session=True, cwd=cwd,
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
