@@ -12,6 +12,7 @@ must already be in local storage and gets nothing from the host but the workspac
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import functools
 import hashlib
@@ -81,7 +82,9 @@ def run_engine(engine: ContainerEngine, *args: str, stdin: bytes | None = None,
 def _engine_cwd() -> str:
     """A private working folder for engine commands: conmon writes files such as `oom`
     into its working directory, which must not be the caller's (e.g. a repository)."""
-    return tempfile.mkdtemp(prefix="sluice-container-engine-")
+    path = tempfile.mkdtemp(prefix="sluice-container-engine-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 @functools.cache
