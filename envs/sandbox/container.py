@@ -64,7 +64,7 @@ class ContainerSandboxConfig:
     engine_timeout_s: float = 120.0  # one `run` or `rm` of the engine
 
 
-class ContainerSandbox(workspace.HostWorkspaceFiles):
+class ContainerSandbox(workspace.HostWorkspaceSandbox):
     """A sandbox in a container (see the module docstring). Create with `await
     ContainerSandbox.create(spec)`; always `await release()`."""
 
@@ -140,18 +140,6 @@ class ContainerSandbox(workspace.HostWorkspaceFiles):
                 workspace.remove_sandbox_dir(sandbox_dir)
             lease.release()
             raise
-
-    def capabilities(self) -> SandboxCapabilities:
-        return self._capabilities
-
-    @property
-    def host_uid(self) -> int:
-        return self._lease.uid
-
-    @property
-    def workspace_dir(self) -> str:
-        """The workspace's host path (for host-side checks; commands see /workspace)."""
-        return self._ws.path
 
     @property
     def container_id(self) -> str:

@@ -51,7 +51,7 @@ class LocalSandboxConfig:
     exit_grace_s: float = 1.0  # after a command exits, how long its output pipes may stay open
 
 
-class LocalSandbox(workspace.HostWorkspaceFiles):
+class LocalSandbox(workspace.HostWorkspaceSandbox):
     """A sandbox on this host (see the module docstring). Create with `await
     LocalSandbox.create(spec)`; always `await release()`."""
 
@@ -121,18 +121,6 @@ class LocalSandbox(workspace.HostWorkspaceFiles):
             raise
         return cls(spec=spec, config=config, lease=lease, sandbox_dir=sandbox_dir, cgroup=cgroup,
                    disk_limit_mb=disk_limit_mb)
-
-    def capabilities(self) -> SandboxCapabilities:
-        return self._capabilities
-
-    @property
-    def host_uid(self) -> int:
-        return self._lease.uid
-
-    @property
-    def workspace_dir(self) -> str:
-        """The workspace's host path (for host-side checks; commands see /workspace)."""
-        return self._workspace
 
     def host_paths(self) -> tuple[str, ...]:
         """Every host path this sandbox owns: its folder and its cgroup dirs."""

@@ -21,7 +21,8 @@ import tarfile
 import tempfile
 from collections.abc import AsyncIterator, Callable
 
-from envs.sandbox.base import Snapshot, resolve_workspace_path
+from envs.sandbox.base import SandboxCapabilities, Snapshot, resolve_workspace_path
+from envs.sandbox.hostuid import HostUidLease
 
 log = logging.getLogger(__name__)
 
@@ -280,14 +281,30 @@ class HostWorkspace:
                              "snapshot into it to resume)")
 
 
-class HostWorkspaceFiles:
-    """The Sandbox protocol's file and snapshot operations for a backend that keeps its
-    workspace in a HostWorkspace at `self._ws` and tears down in `self._teardown`."""
+class HostWorkspaceSandbox:
+    """What every backend whose workspace is a host folder shares: the Sandbox protocol's
+    capabilities, file and snapshot operations and release, over `self._capabilities`,
+    `self._lease` (the leased host uid), `self._ws` (a HostWorkspace) and
+    `self._teardown` (the backend's own clean-up, run by release)."""
 
+    _capabilities: SandboxCapabilities
+    _lease: HostUidLease
     _ws: HostWorkspace
 
     def _teardown(self) -> None:
         raise NotImplementedError
+
+    def capabilities(self) -> SandboxCapabilities:
+        return self._capabilities
+
+    @property
+    def host_uid(self) -> int:
+        return self._lease.uid
+
+    @property
+    def workspace_dir(self) -> str:
+        """The workspace's host path (for host-side checks; commands see /workspace)."""
+        return self._ws.path
 
     async def read_file(self, path: str) -> bytes:
         return await self._ws.read_file(path)
