@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from rollout.types import NO_VERSION, Group, TerminationReason, Trajectory
+from envs.types import NO_VERSION, Group, TerminationReason, Trajectory
 
 FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT)
 DropReason = Literal["stale", "failed", "zero_variance", "resubmits_exhausted"]

@@ -49,12 +49,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from envs.sandbox import BUILTIN_BACKENDS
+from envs.plugins import resolve_plugin
 from envs.sandbox.base import (ExecResult, Sandbox, SandboxLimits, SandboxSpec, Snapshot,
                                build_sandbox_limits)
 from envs.sandbox.changes import changes_from_snapshot
-from rollout.types import WorkspaceChanges
-from trainer.config import EnvsConfig
+from envs.types import WorkspaceChanges
+from envs.config import EnvsConfig
 
 log = logging.getLogger(__name__)
 
@@ -684,17 +684,14 @@ def _fault(message: str) -> ExecResult:
 
 
 def load_sandbox_factory(backend: str) -> SandboxFactory:
-    """The create function of a backend named in BUILTIN_BACKENDS or given as an import
-    string 'package.module:Class'."""
-    path = BUILTIN_BACKENDS.get(backend, backend)
-    module_name, _, attr = path.partition(":")
-    if not attr:
-        raise ValueError(f"envs.sandbox_backend={backend!r} is neither a built-in backend "
-                         f"({', '.join(sorted(BUILTIN_BACKENDS))}) nor an import string "
-                         "'package.module:Class'")
-    cls = getattr(importlib.import_module(module_name), attr, None)
-    if cls is None or not callable(getattr(cls, "create", None)):
-        raise ValueError(f"sandbox backend {path!r} has no async `create(spec)`; point "
+    """The create function of a built-in backend name or an import string
+    'package.module:Class' (envs.sandbox_backend)."""
+    try:
+        cls = resolve_plugin("sandbox backend", backend)
+    except ValueError as exc:
+        raise ValueError(f"envs.sandbox_backend={backend!r}: {exc}") from exc
+    if not callable(getattr(cls, "create", None)):
+        raise ValueError(f"sandbox backend {backend!r} has no async `create(spec)`; point "
                          "envs.sandbox_backend at a Sandbox class")
     return cls.create
 

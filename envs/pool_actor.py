@@ -11,8 +11,8 @@ import ray
 
 from envs.pool import PoolStats, SandboxLease, build_sandbox_pool
 from envs.sandbox.base import ExecResult, SandboxSpec
-from rollout.types import WorkspaceChanges
-from trainer.config import EnvsConfig
+from envs.types import WorkspaceChanges
+from envs.config import EnvsConfig
 
 
 @ray.remote(max_concurrency=100_000)

@@ -18,8 +18,8 @@ import numpy as np
 
 from envs.sandbox.base import Sandbox, SandboxSpec
 from reward.workspace import WorkspaceChanges
-from rollout.types import Task, Trajectory
-from trainer.config import resolve_import_string
+from envs.types import Task, Trajectory
+from envs.plugins import BUILTINS, resolve_plugin
 
 if TYPE_CHECKING:
     from reward.judge import JudgeClient
@@ -73,19 +73,14 @@ class RewardFn(Protocol):
                        ctx: RewardContext) -> RewardResult: ...
 
 
-# The built-ins by import string, with what each scores (resolved like any other).
-BUILTIN_REWARDS: dict[str, str] = {
-    "reward.rules:ExactMatch": "the final answer equals Task.answer",
-    "reward.rules:NumericMatch": "the final answer is within tolerance of Task.answer",
-    "reward.tests:HiddenTests": "the task's hidden / fail_to_pass / pass_to_pass tests pass",
-    "reward.judge:GenerativeJudge": "the judge model's SCORE for the final answer",
-}
+# The built-ins by short name -> import string (the one table lives in envs.plugins).
+BUILTIN_REWARDS: dict[str, str] = BUILTINS["reward fn"]
 
 
 def load_reward_fn(import_string: str) -> RewardFn:
     """An instance of the RewardFn named by `package.module:Class` (a class or a factory
     taking no arguments); ValueError says what is wrong and how to fix it."""
-    obj = resolve_import_string(import_string, "reward fn", BUILTIN_REWARDS)
+    obj = resolve_plugin("reward fn", import_string)
     if not callable(obj):
         raise ValueError(f"reward fn {import_string!r} is not a class or factory")
     try:

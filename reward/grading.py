@@ -25,7 +25,7 @@ from envs.sandbox.base import Sandbox
 from reward import driver as driver_module
 from reward.runtime import pytest_runtime_zip
 from reward.workspace import WorkspaceChanges
-from rollout.types import HIDDEN_TESTS_DIR, Task
+from envs.types import HIDDEN_TESTS_DIR, Task
 
 GRADER_DIR = ".sluice_grading"  # grader-owned folder in the grading workspace
 OUT_DIR = f"{GRADER_DIR}/out"  # where the driver leaves the report (sandbox-writable)

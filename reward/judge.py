@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from reward.base import RewardContext, RewardResult
-from rollout.types import Message, Task, Trajectory
+from envs.types import Message, Task, Trajectory
 
 
 @runtime_checkable

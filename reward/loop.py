@@ -13,7 +13,7 @@ from collections.abc import Callable
 from reward.base import (RewardContext, RewardFn, RewardResult, SandboxFactory, last_model_text,
                          load_reward_fn, reward_fn_name)
 from reward.judge import JudgeClient
-from rollout.types import Group, Task, Trajectory
+from envs.types import Group, Task, Trajectory
 
 
 class RewardLoop:

@@ -21,7 +21,7 @@ import re
 from fractions import Fraction
 
 from reward.base import RewardContext, RewardResult
-from rollout.types import Task, Trajectory
+from envs.types import Task, Trajectory
 
 _HIDDEN_BLOCKS = re.compile(r"<think>.*?(?:</think>|$)|<tool_call>.*?(?:</tool_call>|$)", re.S)
 _ANSWER = re.compile(r"(?i)\b(?:final\s+answer|answer)\s*(?::|=|\bis\b)[ \t]*(.*)$", re.M)

@@ -18,7 +18,7 @@ import os
 import threading
 import zipfile
 
-from envs.tasks.cache import build_once, default_cache_dir
+from envs.cache import build_once, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def pytest_runtime_zip(cache_dir: str | None = None) -> str:
     import pytest
 
     key = f"pytest-{pytest.__version__}-py{importlib.util.MAGIC_NUMBER.hex()}"
-    folder = os.path.join(cache_dir or default_cache_dir(), "pytest-runtime", key)
+    folder = os.path.join(cache_dir or str(default_cache_dir()), "pytest-runtime", key)
     with _lock:
         build_once(folder, _build)
     return os.path.join(folder, RUNTIME_NAME)

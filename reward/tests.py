@@ -39,7 +39,7 @@ from reward.grading import (CONFIG_NAMES, DRIVER, GRADER_DIR, OUT_DIR, RUNTIME_Z
                             Sentinel, build_grading_dir, lock_protected)
 from reward.junit import MAX_REPORT_BYTES, JUnitReport, Outcome, module_classname, parse_junit
 from reward.workspace import WorkspaceChanges
-from rollout.types import HIDDEN_TESTS_DIR, Task, Trajectory
+from envs.types import HIDDEN_TESTS_DIR, Task, Trajectory
 
 log = logging.getLogger(__name__)
 

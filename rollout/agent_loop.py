@@ -24,12 +24,12 @@ from rollout.gate import TurnGate
 from rollout.recorder import Budgets, TrajectoryRecorder
 from rollout.router import Router
 from rollout.tool_parser import ParsedTurn, parse_tool_calls, validate_arguments
-from rollout.types import Message, Task, TerminationReason, ToolCall, Trajectory
+from envs.types import Message, Task, TerminationReason, ToolCall, Trajectory
 
-from trainer.config import resolve_import_string
+from envs.plugins import resolve_plugin
 
 if TYPE_CHECKING:
-    from trainer.config import SluiceConfig
+    from rollout.config import RolloutRecipe
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class LoopSettings:
     continuity_check: bool = False  # debug: compare with a full re-render at the end
 
     @classmethod
-    def from_config(cls, cfg: "SluiceConfig") -> "LoopSettings":
+    def from_config(cls, cfg: "RolloutRecipe") -> "LoopSettings":
         a, r = cfg.agent, cfg.rollout
         return cls(budgets=Budgets(cfg.model.max_context_tokens, a.max_response_tokens,
                                    a.max_new_tokens_per_turn),
@@ -253,18 +253,11 @@ class ToolAgentLoop:
         return rec.finish(TerminationReason.MAX_TURNS)
 
 
-BUILTIN_LOOPS: dict[str, type] = {
-    "rollout.agent_loop:SingleTurnLoop": SingleTurnLoop,
-    "rollout.agent_loop:ToolAgentLoop": ToolAgentLoop,
-}
-
-
-def load_agent_loop(import_string: str) -> type:
-    """Resolve `package.module:Class` to an AgentLoop class; ValueError says what is wrong."""
-    if import_string in BUILTIN_LOOPS:
-        return BUILTIN_LOOPS[import_string]
-    obj = resolve_import_string(import_string, "agent loop", BUILTIN_LOOPS)
+def load_agent_loop(name: str) -> type:
+    """Resolve a built-in name or `package.module:Class` to an AgentLoop class; ValueError
+    says what is wrong."""
+    obj = resolve_plugin("agent loop", name)
     if not isinstance(obj, type) or not asyncio.iscoroutinefunction(getattr(obj, "run", None)):
-        raise ValueError(f"agent loop {import_string!r} must be a class with "
+        raise ValueError(f"agent loop {name!r} must be a class with "
                          f"`async def run(self, task, ctx) -> Trajectory`")
     return obj

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
-from rollout.types import Message
+from envs.types import Message
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,7 +51,7 @@ class ChatFamily:
 
 FAMILIES: dict[str, ChatFamily] = {
     "tiny": ChatFamily("tiny", "<|im_end|>", False,
-                       "the tiny test model (launch.tiny_model): ChatML with Hermes tools"),
+                       "the tiny test model (trainer.tiny_model): ChatML with Hermes tools"),
     "chatml": ChatFamily("chatml", "<|im_end|>", False, "any ChatML template"),
     "qwen2_5": ChatFamily("qwen2_5", "<|im_end|>", False, "Qwen2.5 instruct (ChatML, Hermes tools)"),
     "qwen3": ChatFamily("qwen3", "<|im_end|>", True,

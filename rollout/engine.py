@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from trainer.config import SluiceConfig
+    from rollout.config import RolloutRecipe
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class EngineSpec:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, cfg: "SluiceConfig", model_path: str) -> "EngineSpec":
+    def from_config(cls, cfg: "RolloutRecipe", model_path: str) -> "EngineSpec":
         cpu = cfg.cluster.device == "cpu"
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if cpu else "bfloat16")
         kv = cfg.rollout.kv_cache_memory_bytes

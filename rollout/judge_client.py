@@ -19,12 +19,12 @@ import numpy as np
 
 from rollout.chat import encode, render_chat
 from rollout.engine import EngineSpec, Sampling, TokenOutput
-from rollout.types import Message
+from envs.types import Message
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from trainer.config import SluiceConfig
+    from rollout.config import RolloutRecipe
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ async def _abort_quietly(engine: JudgeEngine, request_id: str) -> None:
         log.warning("could not abort judge request %s", request_id, exc_info=True)
 
 
-def build_judge_spec(cfg: SluiceConfig, model_path: str) -> EngineSpec:
+def build_judge_spec(cfg: RolloutRecipe, model_path: str) -> EngineSpec:
     """The judge engines' spec: rollout's engine settings with reward.judge's parallelism
     and KV-cache size (rollout's when reward.judge.kv_cache_memory_bytes is null)."""
     j = cfg.reward.judge
@@ -99,17 +99,11 @@ def build_judge_spec(cfg: SluiceConfig, model_path: str) -> EngineSpec:
     return dataclasses.replace(spec, tp_size=j.tp_size, kv_cache_memory_bytes=kv)
 
 
-def resolve_judge_model(cfg: SluiceConfig) -> str:
-    """The judge model folder: reward.judge.model_path ('tiny' is built on first use)."""
-    from launch.tiny_model import ensure_tiny_model
-
-    path = cfg.reward.judge.model_path
-    return str(ensure_tiny_model()) if path == "tiny" else path
-
-
-async def start_judge(cfg: SluiceConfig, placement_group: Any | None) -> EngineJudgeClient | None:
+async def start_judge(cfg: RolloutRecipe, model_path: str,
+                      placement_group: Any | None) -> EngineJudgeClient | None:
     """Start reward.judge.num_engines judge engines on the judge pool (one bundle each) and
-    return their client; None when reward.judge.enabled is false."""
+    return their client; None when reward.judge.enabled is false. `model_path` is the
+    judge's folder (the caller resolves reward.judge.model_path, e.g. 'tiny')."""
     j = cfg.reward.judge
     if not j.enabled:
         return None
@@ -117,7 +111,6 @@ async def start_judge(cfg: SluiceConfig, placement_group: Any | None) -> EngineJ
 
     from rollout.engine_actor import start_engines
 
-    model_path = resolve_judge_model(cfg)
     spec = build_judge_spec(cfg, model_path)
     engines = await start_engines(spec, j.num_engines, placement_group)
     log.info("judge: %d engine(s) of %s", len(engines), model_path)

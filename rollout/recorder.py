@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from rollout.engine import TokenOutput
-from rollout.types import NO_VERSION, TerminationReason, Timings, Trajectory, Turn
+from envs.types import NO_VERSION, TerminationReason, Timings, Trajectory, Turn
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
-from rollout.types import ToolCall
+from envs.types import ToolCall
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"

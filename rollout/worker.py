@@ -27,12 +27,12 @@ from rollout.agent_loop import AgentContext, LoopSettings, load_agent_loop
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
 from rollout.router import Router
-from rollout.types import Group, Task, TerminationReason, Trajectory
+from envs.types import Group, Task, TerminationReason, Trajectory
 
-from trainer.config import resolve_import_string
+from envs.plugins import resolve_plugin
 
 if TYPE_CHECKING:
-    from trainer.config import SluiceConfig
+    from rollout.config import RolloutRecipe
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,10 @@ def _check_result(trajectory: object, ctx: AgentContext) -> None:
                          f"{trajectory.index} for {ctx.task.id}/{ctx.group_id}/{ctx.index}")
 
 
-BUILTIN_TOOLS: dict[str, str] = {"calculator": "envs.tools.calculator:CalculatorTool"}
+BUILTIN_TOOLS = ("calculator",)  # in-process tools; the sandbox tools come with a provider
 
 
-def build_agent_worker(cfg: "SluiceConfig", model_path: str, engines: Mapping[str, Any],
+def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[str, Any],
                        tool_factories: Mapping[str, ToolFactory] | None = None,
                        sandbox_provider: Any | None = None) -> AgentLoopWorker:
     """An AgentLoopWorker for the recipe: tokenizer and continuity builder of the policy,
@@ -163,7 +163,7 @@ def build_agent_worker(cfg: "SluiceConfig", model_path: str, engines: Mapping[st
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking)
     if tool_factories is None:
-        tool_factories = {name: load_tool(path) for name, path in BUILTIN_TOOLS.items()}
+        tool_factories = {name: load_tool(name) for name in BUILTIN_TOOLS}
         if sandbox_provider is not None:
             from envs.tools.sandbox_tools import (build_sandbox_tool_factories,
                                                   build_sandbox_tool_settings)
@@ -181,7 +181,7 @@ def build_agent_worker(cfg: "SluiceConfig", model_path: str, engines: Mapping[st
 
 
 def load_tool(import_string: str) -> ToolFactory:
-    factory = resolve_import_string(import_string, "tool")
+    factory = resolve_plugin("tool", import_string)
     if not callable(factory):
         raise ValueError(f"tool {import_string!r} is not a class or factory")
     return factory

@@ -7,7 +7,7 @@ from typing import Any
 
 import ray
 
-from rollout.types import Group, Task
+from envs.types import Group, Task
 from rollout.worker import WorkerStats, build_agent_worker
 
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rollout.types import Group, Task
+from envs.types import Group, Task
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""The one configuration schema of sluice: a frozen dataclass per recipe section.
+"""The one configuration schema of sluice, composed here from each package's own section
+(`envs.config`, `reward.config`, `rollout.config`, `buffer.config`) and the trainer's.
 
 Every field carries its documentation in `metadata["doc"]` (shown by `--help`), counts
 start with `num_`, and units are part of names. Recipes and dotted overrides are merged
@@ -8,46 +9,20 @@ checks, and imports nothing heavy.
 
 from __future__ import annotations
 
-import importlib
-import re
-from collections.abc import Iterable
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-_IMPORT_STRING = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+from buffer.config import BufferConfig
+from envs.config import EnvsConfig
+from envs.knobs import iter_fields, knob, section
+from envs.plugins import check_plugin_name
+from reward.config import JudgeConfig, RewardConfig
+from rollout.config import AgentConfig, RolloutConfig
 
-
-def knob(default: Any, doc: str) -> Any:
-    """A config field with its documentation attached where it is declared."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def section(cls: type, doc: str) -> Any:
-    """A nested config section; its own fields carry their docs."""
-    return field(default_factory=cls, metadata={"doc": doc})
-
-
-def is_import_string(value: str) -> bool:
-    """True for `package.module:Attr` plug-in references."""
-    return bool(_IMPORT_STRING.match(value))
-
-
-def resolve_import_string(value: str, what: str, builtins: Iterable[str] = ()) -> Any:
-    """The object a plug-in reference `package.module:Attr` names, resolved once at start-up.
-    `what` names the plug-in point in errors (e.g. "agent loop"); ValueError says the fix."""
-    known = f"; built-ins: {', '.join(builtins)}" if builtins else ""
-    if not is_import_string(value):
-        raise ValueError(f"{what} {value!r} is not an import string 'package.module:Class'{known}")
-    module_name, attr = value.split(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} {value!r}: cannot import {module_name!r} ({exc}){known}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{what} {value!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+__all__ = ["AgentConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "EnvsConfig",
+           "EvalConfig", "JudgeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+           "RewardConfig", "RolloutConfig", "SluiceConfig", "SyncConfig", "TrainConfig",
+           "check_config", "iter_fields"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,114 +43,16 @@ class ClusterConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    path: str = knob("tiny", "Hugging Face model folder of the policy, or 'tiny' for the "
-                     "locally built ~0.5M-parameter test model (built once, then cached).")
+    path: str = knob("", "Hugging Face model folder of the policy (required), or 'tiny' for "
+                     "the locally built ~0.5M-parameter test model (built once, then cached).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "Weights and compute dtype; auto: bfloat16 on cuda, float32 on cpu.")
     max_context_tokens: int = knob(4096, "Longest sequence (prompt + all turns) an engine "
                                    "accepts and the trainer packs.")
-    warm_start_steps: int = knob(0, "Supervised steps on the task set's demonstrations before "
-                                 "RL (the toy_arithmetic sets only); 0: start from model.path as is.")
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutConfig:
-    num_engines: int = knob(1, "vLLM engines in the rollout pool.")
-    tp_size: int = knob(1, "Tensor-parallel GPUs per engine (must be 1 on cpu).")
-    cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per engine.")
-    gpu_memory_utilization: float = knob(0.85, "Fraction of GPU memory vLLM may use (cuda).")
-    kv_cache_memory_bytes: int | None = knob(None, "Explicit KV-cache size per engine. None: "
-                                             "1 GiB on cpu (vLLM's memory probe fails there), "
-                                             "gpu_memory_utilization on cuda.")
-    max_num_seqs: int = knob(256, "Most concurrent sequences one engine schedules.")
-    enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes across turns.")
-    enforce_eager: bool = knob(False, "Skip torch.compile and CUDA graphs: engines start in "
-                               "seconds; right for tiny models, slower for real ones.")
-    temperature: float = knob(1.0, "Sampling temperature (1.0 keeps behaviour logprobs exact).")
-    top_p: float = knob(1.0, "Nucleus sampling mass.")
-    top_k: int = knob(-1, "Top-k sampling; -1 disables it.")
-    num_agent_workers: int = knob(1, "AgentLoopWorker actors (CPU); each runs many trajectories.")
-    cpus_per_agent_worker: float = knob(0.5, "Ray CPUs reserved per AgentLoopWorker.")
-    num_router_sessions: int = knob(100_000, "Sticky-routing sessions kept (LRU) before the "
-                                    "oldest is forgotten.")
-    request_timeout_s: float = knob(600.0, "An engine that does not answer one generate call "
-                                    "within this is treated as dead.")
-
-
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    loop: str = knob("rollout.agent_loop:ToolAgentLoop", "Default AgentLoop class as an import "
-                     "string 'package.module:Class'; a task's own agent_loop overrides it.")
-    chat_family: Literal["auto", "tiny", "chatml", "qwen2_5", "qwen3", "llama3"] = knob(
-        "auto", "Chat-template family of the token-continuity builder; auto: from the tokenizer.")
-    keep_thinking: bool = knob(True, "Keep <think> blocks of earlier turns in the context "
-                               "(False starts a new segment without them).")
-    continuity_check: bool = knob(False, "Debug: compare incremental ids with a full re-render "
-                                  "every turn and report the first divergence.")
-    max_turns: int = knob(8, "Model turns per trajectory before it ends with max_turns.")
-    max_new_tokens_per_turn: int = knob(256, "Generation budget of one turn.")
-    max_response_tokens: int = knob(2048, "Budget of all response tokens (model + tool) of one "
-                                    "trajectory before it ends with max_tokens.")
-    max_tool_calls_per_turn: int = knob(4, "Tool calls executed per turn; extra calls get an "
-                                        "error observation.")
-    tool_timeout_s: float = knob(30.0, "Wall-clock limit of one tool call; the model sees a "
-                                 "timeout message.")
-    trajectory_timeout_s: float = knob(1800.0, "Wall-clock limit of one trajectory.")
-
-
-@dataclass(frozen=True, slots=True)
-class EnvsConfig:
-    tasks: str = knob("toy_arithmetic", "Task source: a built-in set name or a JSONL/parquet path.")
-    task_format: Literal["auto", "toy", "code", "swe", "jsonl"] = knob(
-        "auto", "How to read `tasks`; auto: from the name or file extension.")
-    sandbox_backend: Literal["local", "container"] = knob(
-        "local", "local: namespaces + rlimits + cgroups; container: podman/docker per task image.")
-    num_sandbox_workers: int = knob(1, "SandboxWorker actors in the sandbox pool.")
-    cpus_per_sandbox_worker: float = knob(1.0, "Ray CPUs reserved per SandboxWorker.")
-    sandboxes_per_worker: int = knob(64, "Most live sandboxes one worker owns.")
-    num_warm_sandboxes: int = knob(8, "Pre-created generic sandboxes kept ready per worker.")
-    exec_timeout_s: float = knob(30.0, "Default wall-clock limit of one sandboxed command.")
-    memory_limit_mb: int = knob(1024, "Memory limit of one sandbox.")
-    max_processes: int = knob(64, "Process limit of one sandbox.")
-    max_output_bytes: int = knob(65_536, "Captured stdout+stderr per command (head and tail kept).")
-    max_observation_tokens: int = knob(1024, "Tool output tokens shown to the model (truncated "
-                                       "with a marker).")
-    max_workspace_changes_mb: int = knob(64, "Cap on a trajectory's final workspace changes "
-                                         "(files written vs the task source) handed to grading; "
-                                         "over it the trajectory scores 0.")
-
-
-@dataclass(frozen=True, slots=True)
-class JudgeConfig:
-    enabled: bool = knob(False, "Serve a generative reward model on the judge pool.")
-    model_path: str = knob("tiny", "Judge model folder ('tiny' on CPU); never synced.")
-    num_engines: int = knob(1, "vLLM engines in the judge pool.")
-    tp_size: int = knob(1, "Tensor-parallel GPUs per judge engine (1 on cpu).")
-    cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per judge engine.")
-    kv_cache_memory_bytes: int | None = knob(None, "Explicit judge KV-cache size; None: as "
-                                             "rollout.kv_cache_memory_bytes.")
-    max_new_tokens: int = knob(256, "Judge verdict length limit.")
-
-
-@dataclass(frozen=True, slots=True)
-class RewardConfig:
-    fn: str = knob("reward.rules:ExactMatch", "RewardFn as an import string 'package.module:Class'.")
-    num_workers: int = knob(1, "RewardWorker actors.")
-    max_concurrency: int = knob(64, "Rewards computed at once per worker.")
-    timeout_s: float = knob(300.0, "Limit of one reward computation; a timeout scores as failure.")
-    judge: JudgeConfig = section(JudgeConfig, "Generative judge served on its own GPU pool.")
-
-
-@dataclass(frozen=True, slots=True)
-class BufferConfig:
-    max_staleness: int = knob(1, "Eta: a group trains at most this many policy versions after "
-                              "its oldest token was generated; also bounds admission.")
-    failure_policy: Literal["mask", "drop", "resubmit"] = knob(
-        "mask", "Groups with error/timeout trajectories: mask those trajectories, drop the "
-        "group, or resubmit the task.")
-    max_resubmits: int = knob(2, "Resubmissions of one task before its group is dropped.")
-    filter_zero_variance: bool = knob(False, "Drop groups whose rewards are all equal (no "
-                                      "GRPO signal).")
+    warm_start: str | None = knob(None, "Warm start before RL: a built-in name or import string "
+                                  "of a callable (base model folder, config) -> model folder, "
+                                  "e.g. the quickstart's 'toy_demonstrations'; None: model.path as is.")
+    warm_start_steps: int = knob(0, "Supervised steps of the warm start (model.warm_start).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,18 +157,6 @@ class SluiceConfig:
         check_config(self)
 
 
-def iter_fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
-    """All leaf fields of a schema class as (dotted key, dataclass Field), in order."""
-    out: list[tuple[str, Any]] = []
-    for f in fields(cls):
-        key = f"{prefix}{f.name}"
-        if f.default_factory is not MISSING and is_dataclass(f.default_factory):
-            out.extend(iter_fields(f.default_factory, key + "."))
-        else:
-            out.append((key, f))
-    return out
-
-
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{key}: {message}")
@@ -311,7 +176,6 @@ def check_config(cfg: SluiceConfig) -> None:
                        ("agent.max_new_tokens_per_turn", a.max_new_tokens_per_turn),
                        ("envs.num_sandbox_workers", cfg.envs.num_sandbox_workers),
                        ("envs.sandboxes_per_worker", cfg.envs.sandboxes_per_worker),
-                       ("reward.num_workers", cfg.reward.num_workers),
                        ("model.max_context_tokens", cfg.model.max_context_tokens)]:
         _require(value >= 1, key, f"must be >= 1, got {value}")
 
@@ -324,7 +188,8 @@ def check_config(cfg: SluiceConfig) -> None:
                  "a judge needs >= 1 engine of >= 1 GPU")
         _require(not (cpu and j.tp_size > 1), "reward.judge.tp_size", "must be 1 on cpu")
         _require(j.max_new_tokens >= 1, "reward.judge.max_new_tokens", "must be >= 1")
-    _require(j.enabled or cfg.reward.fn != "reward.judge:GenerativeJudge", "reward.judge.enabled",
+    _require(j.enabled or cfg.reward.fn not in ("judge", "reward.judge:GenerativeJudge"),
+             "reward.judge.enabled",
              "reward.fn=reward.judge:GenerativeJudge needs a judge model: set "
              "reward.judge.enabled=true")
     _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
@@ -338,10 +203,13 @@ def check_config(cfg: SluiceConfig) -> None:
              f"must leave room for the prompt below model.max_context_tokens "
              f"({cfg.model.max_context_tokens})")
     _require(a.max_tool_calls_per_turn >= 1, "agent.max_tool_calls_per_turn", "must be >= 1")
-    _require(is_import_string(a.loop), "agent.loop",
-             f"expected an import string 'package.module:Class', got {a.loop!r}")
-    _require(is_import_string(cfg.reward.fn), "reward.fn",
-             f"expected an import string 'package.module:Class', got {cfg.reward.fn!r}")
+    for key, kind, value in [("agent.loop", "agent loop", a.loop),
+                             ("reward.fn", "reward fn", cfg.reward.fn),
+                             ("model.warm_start", "warm start", cfg.model.warm_start),
+                             *(("envs.tools", "tool", v) for v in cfg.envs.tools.values())]:
+        if value is not None:
+            problem = check_plugin_name(kind, value)
+            _require(problem is None, key, str(problem))
     for key, value in [("agent.tool_timeout_s", a.tool_timeout_s),
                        ("agent.trajectory_timeout_s", a.trajectory_timeout_s),
                        ("envs.exec_timeout_s", cfg.envs.exec_timeout_s),

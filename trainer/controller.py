@@ -40,7 +40,7 @@ import torch
 
 from buffer.replay_buffer import ReplayBuffer
 from rollout.router import Router
-from rollout.types import Group, Task, TerminationReason, Trajectory
+from envs.types import Group, Task, TerminationReason, Trajectory
 from trainer.advantages import compute_grpo_advantages
 from trainer.config import SluiceConfig
 from trainer.metrics import BusyClock, MetricsLogger

@@ -28,7 +28,8 @@ USAGE = """usage: python -m trainer.main recipe=NAME.yaml [section.key=value ...
 def format_help() -> str:
     lines = [USAGE, "config keys (default; doc):"]
     for key, f in iter_fields(SluiceConfig):
-        lines.append(f"  {key} = {f.default!r}  [{f.type}]\n      {f.metadata['doc']}")
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        lines.append(f"  {key} = {default!r}  [{f.type}]\n      {f.metadata['doc']}")
     return "\n".join(lines)
 
 
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
             print(format_help())
             return 0
         cfg = load_config(recipe, overrides)
+        if not cfg.model.path:
+            raise ValueError("model.path is required: a Hugging Face model folder, or 'tiny' "
+                             "for the local test model")
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -131,6 +131,12 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
+    elif origin is dict and typing.get_args(hint) == (str, str):
+        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                           for k, v in value.items()):
+            return dict(value)
+        if isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of names to strings, got {value!r}")
     else:
         raise TypeError(f"schema type {hint!r} of {key} is not supported by the recipe loader")
     raise ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rollout.chat import ContinuityBuilder, encode
-from rollout.types import Message
+from envs.types import Message
 
 log = logging.getLogger(__name__)
 

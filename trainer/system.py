@@ -26,19 +26,24 @@ def resolve_run_dir(cfg: SluiceConfig, recipe_name: str) -> Path:
     return run_dir
 
 
+def resolve_model_path(path: str) -> Path:
+    """A model folder: `path`, or the tiny test model (built on first use) for 'tiny'."""
+    from trainer.tiny_model import ensure_tiny_model
+
+    if not path:
+        raise ValueError("model.path is required: a Hugging Face model folder, or 'tiny'")
+    return ensure_tiny_model() if path == "tiny" else Path(path)
+
+
 def resolve_model(cfg: SluiceConfig) -> str:
-    """The policy folder: model.path (the tiny model is built on first use), after the
-    warm start when model.warm_start_steps > 0."""
-    from launch.tiny_model import default_cache_dir, ensure_tiny_model
+    """The policy folder: model.path, after the warm start that model.warm_start names."""
+    from envs.plugins import resolve_plugin
 
-    base = ensure_tiny_model() if cfg.model.path == "tiny" else Path(cfg.model.path)
-    if cfg.model.warm_start_steps <= 0:
+    base = resolve_model_path(cfg.model.path)
+    if cfg.model.warm_start is None:
         return str(base)
-    from trainer.warm_start import warm_start_model
-
-    return str(warm_start_model(base, cfg.envs.tasks, steps=cfg.model.warm_start_steps,
-                                max_observation_tokens=cfg.envs.max_observation_tokens,
-                                cache_root=default_cache_dir() / "models"))
+    warm_start = resolve_plugin("warm start", cfg.model.warm_start)
+    return str(warm_start(base, cfg))
 
 
 def build_sinks(cfg: SluiceConfig, run_dir: Path) -> list[MetricsSink]:
@@ -81,7 +86,8 @@ async def run(cfg: SluiceConfig, recipe_name: str = "run",
     placed = build_pools(cfg)
     engines = await start_engines(EngineSpec.from_config(cfg, model_path), cfg.rollout.num_engines,
                                   placed["rollout"])
-    judge = await start_judge(cfg, placed.get("judge"))  # None unless reward.judge.enabled
+    judge = await start_judge(cfg, str(resolve_model_path(cfg.reward.judge.model_path)),
+                              placed.get("judge"))  # None unless reward.judge.enabled
     sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
     workers = [AgentWorkerActor.options(num_cpus=cfg.rollout.cpus_per_agent_worker).remote(
         cfg, model_path, {n: c.handle for n, c in engines.items()}, sandboxes.handles)

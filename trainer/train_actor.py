@@ -15,7 +15,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 from trainer.config import SluiceConfig
 
 

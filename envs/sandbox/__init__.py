@@ -12,9 +12,5 @@ from envs.sandbox.base import (
                                build_sandbox_limits,
 )
 
-# Built-in backends as import strings (`envs.sandbox_backend` in the recipe names one).
-BUILTIN_BACKENDS = {"local": "envs.sandbox.local:LocalSandbox",
-                    "container": "envs.sandbox.container:ContainerSandbox"}
-
-__all__ = ["BUILTIN_BACKENDS", "ExecResult", "Sandbox", "SandboxCapabilities", "SandboxLimits",
+__all__ = ["ExecResult", "Sandbox", "SandboxCapabilities", "SandboxLimits",
            "SandboxSpec", "Snapshot", "build_sandbox_limits"]

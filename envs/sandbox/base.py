@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Protocol, Self
 
-from trainer.config import EnvsConfig
+from envs.config import EnvsConfig
 
 WORKSPACE_MOUNT = "/workspace"  # where the workspace appears inside every backend
 

@@ -20,7 +20,7 @@ from functools import partial
 from typing import IO
 
 from envs.sandbox.base import Snapshot
-from rollout.types import WorkspaceChanges, clean_relative_path
+from envs.types import WorkspaceChanges, clean_relative_path
 
 MAX_CHANGED_BYTES = 64 << 20  # default cap (envs.max_workspace_changes_mb); more than any honest edit
 MAX_CHANGED_FILES = 10_000

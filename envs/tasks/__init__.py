@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from envs.tasks.cache import default_cache_dir
+from envs.cache import default_cache_dir
 from envs.tasks.code import SET_NAME as CODE_SET
 from envs.tasks.code import build_code_tasks
 from envs.tasks.rows import read_rows, task_from_row
@@ -24,7 +24,7 @@ from envs.tasks.toy import EASY_SET_NAME as TOY_EASY_SET
 from envs.tasks.toy import HELDOUT_SUFFIX
 from envs.tasks.toy import SET_NAME as TOY_SET
 from envs.tasks.toy import build_heldout, build_toy_arithmetic, build_toy_arithmetic_easy
-from rollout.types import Task
+from envs.types import Task
 
 # Built-in set name -> (its format, how it is built from a cache folder).
 BUILTIN_SETS: dict[str, tuple[str, Callable[[str], list[Task]]]] = {
@@ -42,7 +42,7 @@ def load_tasks(source: str, fmt: str = "auto", *, cache_dir: str | None = None) 
     """The tasks of `source` read as `fmt` (see the module docstring)."""
     if fmt not in FORMATS:
         raise ValueError(f"task format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-    cache = cache_dir or default_cache_dir()
+    cache = cache_dir or str(default_cache_dir())
     if source in BUILTIN_SETS:
         set_fmt, build = BUILTIN_SETS[source]
         if fmt not in ("auto", set_fmt):

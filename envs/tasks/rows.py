@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.types import Message, Task
+from envs.types import Message, Task
 
 FIELDS = ("id", "prompt", "messages", "system", "tools", "answer", "agent_loop", "source_dir",
           "image", "visible_tests", "hidden_tests", "test_patch", "fail_to_pass",

@@ -29,9 +29,9 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from envs.tasks.cache import build_once
+from envs.cache import build_once
 from envs.tasks.rows import RowRef, get_str, get_str_list
-from rollout.types import Message, Task
+from envs.types import Message, Task
 
 SWE_TOOLS = ("bash", "read_file", "write_file", "str_replace", "submit")
 SYSTEM_PROMPT = ("You are an expert software engineer working in a sandbox. The repository is "

@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 
 from envs.tools.calculator import evaluate_arithmetic
-from rollout.types import Message, Task
+from envs.types import Message, Task
 
 SET_NAME = "toy_arithmetic"
 # Two operands below 100, python tool only: what the quickstart's 0.5M-parameter model can

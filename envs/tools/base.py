@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from rollout.types import Task, WorkspaceChanges
+from envs.types import Task, WorkspaceChanges
 
 
 @dataclass(frozen=True, slots=True)

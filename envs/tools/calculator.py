@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from envs.tools.base import ToolResult, function_schema
-from rollout.types import Task
+from envs.types import Task
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,

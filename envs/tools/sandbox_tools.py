@@ -44,9 +44,9 @@ from envs.sandbox.base import (WORKSPACE_MOUNT, ExecResult, SandboxLimits, Sandb
 from envs.sandbox.changes import MAX_CHANGED_BYTES
 from envs.sandbox.output import split_budget
 from envs.tools.base import Tool, ToolFactory, ToolResult, function_schema
-from trainer.config import resolve_import_string
-from rollout.types import Task, WorkspaceChanges
-from trainer.config import EnvsConfig
+from envs.plugins import resolve_plugin
+from envs.types import Task, WorkspaceChanges
+from envs.config import EnvsConfig
 
 log = logging.getLogger(__name__)
 
@@ -538,7 +538,7 @@ SandboxToolClass = Callable[[SandboxSession], Tool]
 
 
 def load_sandbox_tool(import_string: str) -> SandboxToolClass:
-    cls = resolve_import_string(import_string, "sandbox tool")
+    cls = resolve_plugin("tool", import_string)
     if not callable(cls):
         raise ValueError(f"sandbox tool {import_string!r} is not 'package.module:Class'")
     return cls

@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from envs.tools.base import ToolResult, function_schema
-from launch.tiny_model import ensure_tiny_model
+from trainer.tiny_model import ensure_tiny_model
 from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
 from rollout.engine import TokenOutput
 from rollout.recorder import Budgets
 from rollout.router import Router
-from rollout.types import Message, Task, TerminationReason
+from envs.types import Message, Task, TerminationReason
 from rollout.worker import AgentLoopWorker
 
 GENERATE_S, TOOL_S = 0.05, 0.2

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ATTENTION_LABELS = {"sluice_packed_sdpa": "per-seq sdpa", "sdpa": "sdpa+mask"}
 sys.path.insert(0, str(ROOT))
 
-from rollout.types import Trajectory  # noqa: E402  (after the path fix: runs as a script)
+from envs.types import Trajectory  # noqa: E402  (after the path fix: runs as a script)
 
 
 def build_batch(num: int, tokens: int, vocab: int, seed: int = 0) -> list[Trajectory]:
@@ -138,7 +138,7 @@ def main() -> None:
                                                       / "torch_extensions"))
     import torch
 
-    from launch.tiny_model import ensure_tiny_model
+    from trainer.tiny_model import ensure_tiny_model
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 # After the path fix: this file runs as a script, next to bench_train.
 from bench_train import build_batch, machine_info
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 
 EPS_LOW, EPS_HIGH, LR, MAX_GRAD_NORM = 0.2, 0.28, 1e-5, 1.0
 MICRO_BATCH_TOKENS = 1 << 20  # one packed micro-batch: TRL also runs the batch in one forward
@@ -263,7 +263,7 @@ def main() -> None:
     import trl
     from transformers.utils import logging as hf_logging
 
-    from launch.tiny_model import ensure_tiny_model
+    from trainer.tiny_model import ensure_tiny_model
 
     hf_logging.disable_progress_bar()
     if args.threads:

@@ -23,7 +23,7 @@ def build_model(hidden: int, layers: int, out: str) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from launch.tiny_model import build_tokenizer
+    from trainer.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden,

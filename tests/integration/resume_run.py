@@ -16,8 +16,8 @@ import signal
 import numpy as np
 import torch
 
-from launch.tiny_model import ensure_tiny_model
-from rollout.types import NO_VERSION, Trajectory
+from trainer.tiny_model import ensure_tiny_model
+from envs.types import NO_VERSION, Trajectory
 from trainer.backends.deepspeed_backend import DeepSpeedBackend
 from trainer.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import LossConfig, TrainConfig

@@ -14,7 +14,7 @@ import json
 import numpy as np
 
 from quickstart_run import quickstart_config
-from rollout.types import NO_VERSION, TerminationReason
+from envs.types import NO_VERSION, TerminationReason
 
 EXPECTED_KEYS = {
     "perf/rollout_idle_ratio", "perf/trainer_idle_ratio", "perf/weight_sync_s", "staleness/mean",

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 from trainer.backends.logprobs import build_block_causal_mask, compute_token_logprobs_and_entropy
 from trainer.backends.packing import (build_micro_batches, pack_trajectories, unpack_responses,
                                       unpack_sequences)
@@ -41,7 +41,7 @@ LR = 1e-3  # large for a 0.5M-parameter model on purpose: a few steps must move 
 @pytest.fixture(scope="module", autouse=True)
 def deepspeed_env():
     """CPU DeepSpeed with the op builds cached next to the tiny model (set unless given)."""
-    from launch.tiny_model import default_cache_dir
+    from envs.cache import default_cache_dir
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
     if not torch.cuda.is_available():
@@ -287,7 +287,7 @@ TWO_RANK_TRAIN = dict(lr=LR, micro_batch_tokens=300, num_minibatches=1)
 
 def run_two_rank_worker(out_dir: Path) -> None:
     """Body of each rank under `torchrun --nproc_per_node 2 THIS_FILE OUT_DIR`."""
-    from launch.tiny_model import ensure_tiny_model
+    from trainer.tiny_model import ensure_tiny_model
     from trainer.backends.deepspeed_backend import DeepSpeedBackend
 
     rank = int(os.environ["RANK"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 from trainer.backends import build_backend
 from trainer.backends.packing import build_micro_batches, unpack_responses
 from trainer.backends.torch_backend import TorchBackend

@@ -21,7 +21,7 @@ import pytest
 from rollout.chat import (FAMILIES, build_continuity_builder, check_continuity, detect_family, encode,
                           render_chat)
 from rollout.tool_parser import parse_tool_calls
-from rollout.types import Message, ToolCall
+from envs.types import Message, ToolCall
 
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run Python code and return its output.",

@@ -25,7 +25,7 @@ from envs.tasks.code import VISIBLE_TESTS_DIR, spec_by_name
 from reward.base import RewardContext, RewardResult, load_reward_fn
 from reward.tests import HiddenTests
 from reward.workspace import WorkspaceChanges, changes_from_snapshot
-from rollout.types import Task, Trajectory
+from envs.types import Task, Trajectory
 from git_repo import run_git
 
 AGENT_LIMITS = SandboxLimits(memory_mb=512, max_processes=64, cpu_time_s=60)

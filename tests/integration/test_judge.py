@@ -16,7 +16,7 @@ from reward.base import RewardContext, RewardResult
 from reward.judge import GenerativeJudge, render_judge_prompt
 from reward.loop import RewardLoop
 from rollout.judge_client import EngineJudgeClient
-from rollout.types import Message, Task, Trajectory
+from envs.types import Message, Task, Trajectory
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -97,14 +97,17 @@ async def test_start_judge_serves_the_judge_pool_over_ray(tokenizer):
     from trainer.pools import build_pools, plan_pools, release_pools
     from trainer.recipe import load_config
 
-    assert await start_judge(load_config("quickstart.yaml"), None) is None  # judge disabled
+    from trainer.tiny_model import ensure_tiny_model
+
+    judge_path = str(ensure_tiny_model())
+    assert await start_judge(load_config("quickstart.yaml"), judge_path, None) is None  # disabled
     cfg = load_config("quickstart.yaml", ["reward.judge.enabled=true",
                                           "reward.judge.kv_cache_memory_bytes=67108864",
                                           "reward.judge.max_new_tokens=16"])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         placed = build_pools(cfg, tuple(p for p in plan_pools(cfg) if p.name == "judge"))
-        judge = await start_judge(cfg, placed["judge"])
+        judge = await start_judge(cfg, judge_path, placed["judge"])
         assert judge is not None and list(judge.engines) == ["engine-0"]
         ctx = RewardContext(final_text="Answer: 4", judge=judge)
         result = await GenerativeJudge(prefill="SCORE: 0.5\n")(

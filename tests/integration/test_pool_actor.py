@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from envs.tools.sandbox_tools import build_sandbox_tool_settings, build_sandbox_tools
-from rollout.types import Message, Task
+from envs.types import Message, Task
 from trainer.config import EnvsConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

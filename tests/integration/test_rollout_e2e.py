@@ -20,7 +20,7 @@ from rollout.chat import build_continuity_builder
 from rollout.recorder import Budgets
 from rollout.router import Router
 from rollout.tool_parser import ParsedTurn
-from rollout.types import Message, Task, TerminationReason, ToolCall
+from envs.types import Message, Task, TerminationReason, ToolCall
 from rollout.worker import AgentLoopWorker
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -18,7 +18,7 @@ from envs.pool import SandboxPool
 from envs.sandbox.base import SandboxLimits, SandboxSpec
 from envs.tools.sandbox_tools import (SandboxToolSettings, build_sandbox_tool_factories,
                                       build_sandbox_tools)
-from rollout.types import Message, Task, TerminationReason
+from envs.types import Message, Task, TerminationReason
 
 SMALL = SandboxLimits(memory_mb=256, max_processes=64)
 SETTINGS = SandboxToolSettings(limits=SMALL, exec_timeout_s=1.0, max_observation_tokens=1500)

@@ -9,7 +9,7 @@ import torch
 
 from envs.tools.calculator import CalculatorTool
 from rollout.chat import build_continuity_builder, check_continuity
-from rollout.types import Message, ToolCall
+from envs.types import Message, ToolCall
 from trainer.sft import Demonstration, build_sft_example, compute_sft_loss, run_sft
 
 

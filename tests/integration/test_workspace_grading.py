@@ -22,7 +22,7 @@ from envs.tasks import load_tasks
 from envs.tasks.code import VISIBLE_TESTS_DIR, spec_by_name
 from envs.tools.sandbox_tools import SandboxToolSettings, build_sandbox_tool_factories
 from reward.loop import RewardLoop
-from rollout.types import HIDDEN_TESTS_DIR, Task, TerminationReason
+from envs.types import HIDDEN_TESTS_DIR, Task, TerminationReason
 
 SETTINGS = SandboxToolSettings(limits=SandboxLimits(memory_mb=512, max_processes=64),
                                exec_timeout_s=30.0, max_observation_tokens=1500)

@@ -18,7 +18,7 @@ from rollout.chat import build_continuity_builder, check_continuity
 from rollout.engine import TokenOutput
 from rollout.recorder import Budgets
 from rollout.router import Router
-from rollout.types import Message, Task, TerminationReason, Trajectory
+from envs.types import Message, Task, TerminationReason, Trajectory
 from rollout.worker import AgentLoopWorker
 
 
@@ -26,7 +26,7 @@ from rollout.worker import AgentLoopWorker
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from launch.tiny_model import ensure_tiny_model
+    from trainer.tiny_model import ensure_tiny_model
 
     return AutoTokenizer.from_pretrained(ensure_tiny_model())
 
@@ -131,7 +131,7 @@ async def test_tool_calls_run_and_observations_are_appended(tokenizer):
         assert_continuity(tokenizer, traj, engine)
     # the incremental ids equal a full re-render of the conversation
     msgs = [*TASK.messages,
-            Message("assistant", "", tool_calls=(__import__("rollout.types").types.ToolCall(
+            Message("assistant", "", tool_calls=(__import__("envs.types").types.ToolCall(
                 "calculator", {"expression": "2+3"}),)),
             Message("tool", "5", name="calculator"), Message("assistant", "The answer is 5.")]
     schemas = [EchoTool.schema, CalculatorTool.schema]
@@ -228,14 +228,14 @@ async def test_exceptions_become_error_trajectories_and_user_loops_load(tokenize
 
 
 def test_bad_import_strings_fail_with_a_clear_message():
-    with pytest.raises(ValueError, match="not an import string"):
+    with pytest.raises(ValueError, match="neither a built-in nor an import string"):
         load_agent_loop("ToolAgentLoop")
     with pytest.raises(ValueError, match="cannot import 'no_such_pkg.mod'"):
         load_agent_loop("no_such_pkg.mod:Loop")
     with pytest.raises(ValueError, match="has no attribute 'Nope'"):
         load_agent_loop("rollout.agent_loop:Nope")
     with pytest.raises(ValueError, match="async def run"):
-        load_agent_loop("rollout.types:Task")
+        load_agent_loop("envs.types:Task")
     assert load_agent_loop("rollout.agent_loop:ToolAgentLoop") is ToolAgentLoop
 
 

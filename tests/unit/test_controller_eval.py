@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.types import Group, Message, Task, Trajectory
+from envs.types import Group, Message, Task, Trajectory
 from trainer.config import SluiceConfig
 from trainer.controller import Controller
 from trainer.metrics import MetricsLogger

@@ -1,6 +1,7 @@
-"""Architecture rules from DESIGN.md, checked on the source: imports flow one way
-(types/config <- envs, reward <- rollout <- buffer <- trainer) and heavy frameworks are
-imported only inside the code that needs them, never at module top level."""
+"""Architecture rules from DESIGN.md, checked on the source: packages are ranked and
+imports flow one way (envs <- reward <- rollout <- buffer <- trainer <- launch), with no
+exemption and no cycle; heavy frameworks are imported only inside the code that needs
+them, never at module top level, except in the thin Ray shells."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("trainer", "rollout", "buffer", "reward", "envs", "launch")
-# The bottom layer: importable from anywhere, importing no other project module.
-BASE = {"rollout.types", "trainer.config", "launch.tiny_model"}
-RANK = {"envs": 1, "reward": 1, "rollout": 2, "buffer": 3, "trainer": 4, "launch": 5}
+# Lower rank = lower layer. A module may import its own package and lower ranks only.
+RANK = {"envs": 0, "reward": 1, "rollout": 2, "buffer": 3, "trainer": 4, "launch": 5}
+PACKAGES = tuple(RANK)
 HEAVY = {"ray", "vllm", "deepspeed", "wandb"}
 # Thin Ray shells may import ray at top level; list them here as they are added.
 TOP_LEVEL_HEAVY_ALLOWED: set[str] = {"rollout.engine_actor", "rollout.worker_actor", "trainer.train_actor",
@@ -28,6 +28,7 @@ def _modules() -> dict[str, ast.Module]:
 
 
 def _imports(tree: ast.AST) -> list[str]:
+    """Every project import anywhere in the module (deferred and TYPE_CHECKING ones too)."""
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -37,20 +38,45 @@ def _imports(tree: ast.AST) -> list[str]:
     return names
 
 
-def test_imports_flow_one_way():
+def package_graph() -> dict[str, set[str]]:
+    """package -> the other project packages it imports."""
+    graph: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for name, tree in _modules().items():
+        pkg = name.split(".")[0]
+        for imported in _imports(tree):
+            top = imported.split(".")[0]
+            if top in RANK and top != pkg:
+                graph[pkg].add(top)
+    return graph
+
+
+def test_imports_flow_down_the_ranks():
     bad = []
     for name, tree in _modules().items():
         pkg = name.split(".")[0]
         for imported in _imports(tree):
             top = imported.split(".")[0]
-            if top not in PACKAGES or top == pkg and name not in BASE:
-                continue
-            if imported in BASE or any(imported.startswith(b + ".") for b in BASE):
-                if name not in BASE:
-                    continue
-            if name in BASE or RANK[top] > RANK[pkg]:
+            if top in RANK and RANK[top] > RANK[pkg]:
                 bad.append(f"{name} imports {imported}")
     assert bad == []
+
+
+def test_the_package_graph_has_no_cycle():
+    graph = package_graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    cycles = [c for p in PACKAGES if p not in state and (c := visit(p, []))]
+    assert cycles == []
 
 
 def test_heavy_frameworks_are_not_imported_at_module_top_level():
@@ -70,3 +96,8 @@ def test_every_module_opens_with_a_docstring():
     missing = [n for n, tree in _modules().items()
                if ast.get_docstring(tree) is None]
     assert missing == []
+
+
+if __name__ == "__main__":  # the import graph, for the README and review: python tests/unit/test_layering.py
+    for pkg, deps in sorted(package_graph().items(), key=lambda kv: RANK[kv[0]]):
+        print(f"{pkg:8s} -> {', '.join(sorted(deps, key=RANK.get)) or '(nothing)'}")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 from trainer.backends.logprobs import build_block_causal_mask, compute_logprobs_from_logits
 from trainer.backends.packing import (build_micro_batches, pack_trajectories, plan_micro_batches,
                                       split_minibatches, unpack_responses, unpack_sequences,

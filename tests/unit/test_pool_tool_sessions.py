@@ -15,7 +15,7 @@ from envs.tools.sandbox_tools import (SANDBOX_TOOLS, SandboxToolSettings, approx
                                       build_sandbox_tool_factories, build_sandbox_tools,
                                       load_sandbox_tool, render_exec_result, truncate_observation,
                                       workspace_relative)
-from rollout.types import Message, Task, WorkspaceChanges
+from envs.types import Message, Task, WorkspaceChanges
 
 MARKER = re.compile(r"\n\[\.\.\. (\d+) tokens cut \.\.\.\]\n")
 TASK = Task("t", (Message("user", "fix it"),), tools=("bash", "read_file", "submit"))

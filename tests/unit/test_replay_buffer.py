@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from buffer.replay_buffer import AccountingError, ReplayBuffer
-from rollout.types import NO_VERSION, Group, Trajectory, Turn
+from envs.types import NO_VERSION, Group, Trajectory, Turn
 
 
 def traj(task="t", group="g", index=0, version=0, reason="finished", reward=1.0, turns=1, length=3):

@@ -16,7 +16,7 @@ from reward.judge import (JUDGE_INSTRUCTIONS, GenerativeJudge, JudgeClient, pars
 from reward.loop import RewardLoop
 from rollout.engine import EngineSpec, Sampling, TokenOutput
 from rollout.judge_client import EngineJudgeClient, build_judge_spec
-from rollout.types import NO_VERSION, Message, Task, Trajectory
+from envs.types import NO_VERSION, Message, Task, Trajectory
 from trainer.recipe import load_config
 
 TASK = Task("t", (Message("system", "You have tools."), Message("user", "What is 6 * 7?")),

@@ -18,7 +18,7 @@ from reward.junit import Outcome, junit_key, parse_junit
 from reward.rules import ExactMatch, NumericMatch, extract_final_answer, parse_number
 from reward.workspace import (WorkspaceChanges, changes_from_dir, changes_from_snapshot,
                               clean_relative_path)
-from rollout.types import NO_VERSION, Message, Task, Trajectory
+from envs.types import NO_VERSION, Message, Task, Trajectory
 
 TASK = Task("t", (Message("user", "q"),), answer="1234")
 
@@ -116,11 +116,11 @@ async def test_rule_builtins_meet_the_reward_fn_contract(name: str) -> None:
 
 
 def test_load_reward_fn_errors() -> None:
-    assert set(BUILTIN_REWARDS) == {"reward.rules:ExactMatch", "reward.rules:NumericMatch",
-                                    "reward.tests:HiddenTests", "reward.judge:GenerativeJudge"}
-    for name in BUILTIN_REWARDS:
-        assert callable(load_reward_fn(name))
-    for bad, message in [("reward.rules.ExactMatch", "not an import string"),
+    assert set(BUILTIN_REWARDS.values()) == {"reward.rules:ExactMatch", "reward.rules:NumericMatch",
+                                             "reward.tests:HiddenTests", "reward.judge:GenerativeJudge"}
+    for name, path in BUILTIN_REWARDS.items():  # the short name and the import string alike
+        assert type(load_reward_fn(name)) is type(load_reward_fn(path))
+    for bad, message in [("reward.rules.ExactMatch", "neither a built-in nor an import string"),
                          ("reward.nope:X", "cannot import 'reward.nope'"),
                          ("reward.rules:Nope", "has no attribute 'Nope'"),
                          ("reward.rules:MAX", "has no attribute"),

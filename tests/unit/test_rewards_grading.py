@@ -16,7 +16,7 @@ from reward.grading import (DRIVER, GRADER_DIR, OUT_DIR, RUNTIME_ZIP, GradingLay
 from reward.junit import parse_junit
 from reward.tests import DriverResult, GradingRun, parse_driver_line, score_run
 from reward.workspace import WorkspaceChanges
-from rollout.types import HIDDEN_TESTS_DIR, Message, Task
+from envs.types import HIDDEN_TESTS_DIR, Message, Task
 
 PATCH = """diff --git a/tests/test_core.py b/tests/test_core.py
 --- a/tests/test_core.py

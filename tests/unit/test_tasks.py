@@ -13,7 +13,7 @@ from envs.tasks import BUILTIN_SETS, load_tasks
 from envs.tasks.code import all_specs, hidden_test_names
 from envs.tasks.toy import build_toy_arithmetic
 from envs.tools.calculator import evaluate_arithmetic
-from rollout.types import HIDDEN_TESTS_DIR, Message, Task
+from envs.types import HIDDEN_TESTS_DIR, Message, Task
 
 
 def write_rows(path: Path, rows: list) -> str:
@@ -55,7 +55,7 @@ def test_good_rows_become_tasks(tmp_path: Path) -> None:
     ({"id": "t", "prompt": "x", "fail_to_pass": ["test_x.py"]}, r"not a pytest node id"),
     ({"id": "t", "prompt": "x", "fail_to_pass": ["../x.py::t"]}, r"relative path"),
     ({"id": "t", "prompt": "x", "fail_to_pass": ["a.py::t"]}, r"no source_dir, image or hidden_tests"),
-    ({"id": "t", "prompt": "x", "reward_fn": "reward.rules.ExactMatch"}, r"not an import string"),
+    ({"id": "t", "prompt": "x", "reward_fn": "reward.rules.ExactMatch"}, r"nor an import string"),
 ])
 def test_bad_rows_name_row_field_and_fix(tmp_path: Path, row: object, message: str) -> None:
     path = write_rows(tmp_path / "tasks.jsonl", [row])

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rollout.tool_parser import ParsedTurn, parse_tool_calls, validate_arguments
-from rollout.types import ToolCall
+from envs.types import ToolCall
 
 
 def block(payload: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout.types import NO_VERSION, Group, Message, Task, TerminationReason, ToolCall, Trajectory
+from envs.types import NO_VERSION, Group, Message, Task, TerminationReason, ToolCall, Trajectory
 
 
 def make_traj(index=0, reward=None, group_id="g0", **over):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from envs.tools.calculator import evaluate_arithmetic
-from trainer.warm_start import SLOPPY_FRACTION, build_demonstrations
+from launch.quickstart import SLOPPY_FRACTION, build_demonstrations
 
 
 def test_demonstrations_call_the_tool_carefully_or_sloppily_and_copy_its_output():

@@ -26,7 +26,7 @@ from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
 from rollout.recorder import Budgets
 from rollout.router import Router
-from rollout.types import Group, Message, Task, TerminationReason, Trajectory
+from envs.types import Group, Message, Task, TerminationReason, Trajectory
 from rollout.worker import AgentLoopWorker
 
 
@@ -34,7 +34,7 @@ from rollout.worker import AgentLoopWorker
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from launch.tiny_model import ensure_tiny_model
+    from trainer.tiny_model import ensure_tiny_model
 
     return AutoTokenizer.from_pretrained(ensure_tiny_model())
 

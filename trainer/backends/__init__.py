@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from rollout.types import Trajectory
+    from envs.types import Trajectory
     from trainer.backends.packing import PackedBatch
     from trainer.backends.step import StepResult
     from trainer.config import LossConfig, TrainConfig

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 from trainer.backends.packing import PackedBatch
 from trainer.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
                                            resolve_dtype)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 from trainer.advantages import broadcast_to_tokens
 
 

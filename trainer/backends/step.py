@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from rollout.types import Trajectory
+from envs.types import Trajectory
 from trainer.backends.logprobs import compute_token_logprobs_and_entropy
 from trainer.backends.packing import (PackedBatch, build_micro_batches, split_minibatches,
                                       unpack_to_rows)

@@ -18,8 +18,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from envs.tasks.cache import build_once, default_cache_dir
-from rollout.types import HIDDEN_TESTS_DIR, Message, Task
+from envs.cache import build_once, default_cache_dir
+from envs.types import HIDDEN_TESTS_DIR, Message, Task
 
 SET_NAME = "code_functions"
 TOOLS = ("bash", "read_file", "write_file", "str_replace", "run_tests", "submit")
@@ -135,6 +135,6 @@ def build_code_tasks(cache_dir: str | None = None) -> list[Task]:
     specs = all_specs()
     digest = hashlib.sha256(repr([(s.name, s.module, s.stub, s.visible_tests, s.hidden_tests)
                                   for s in specs]).encode()).hexdigest()[:16]
-    root = os.path.join(cache_dir or default_cache_dir(), SET_NAME, digest)
+    root = os.path.join(cache_dir or str(default_cache_dir()), SET_NAME, digest)
     build_once(root, lambda tmp: _write_files(specs, tmp))
     return [task_of(spec, root) for spec in specs]

@@ -4,7 +4,7 @@ an untied ~0.5M-parameter Qwen2 model, built deterministically in well under a s
 No weights or data can be downloaded on the machines sluice is tested on, so recipes and
 tests build this model once and reuse it from the cache folder:
 
-    python -m launch.tiny_model OUT_DIR      # build into OUT_DIR
+    python -m trainer.tiny_model OUT_DIR      # build into OUT_DIR
     ensure_tiny_model()                      # build into the cache if missing, return path
 """
 
@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
+
+from envs.cache import default_cache_dir
 
 # Bump when anything below changes what is built: the cache key includes it.
 BUILD_VERSION = 1
@@ -69,13 +70,6 @@ CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """.strip()
-
-
-def default_cache_dir() -> Path:
-    """$SLUICE_CACHE_DIR, else $XDG_CACHE_HOME/sluice, else ~/.cache/sluice."""
-    if os.environ.get("SLUICE_CACHE_DIR"):
-        return Path(os.environ["SLUICE_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
 
 
 def _build_key() -> str:

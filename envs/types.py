@@ -1,8 +1,8 @@
 """Core data passed between stages: Task -> Trajectory (with Turns, and the agent's final
 WorkspaceChanges until it is scored) -> Group.
 
-This module is the bottom layer with `trainer.config`: every other package may import
-it and it imports nothing from the project. Per-token arrays are numpy arrays that share
+This module is the bottom layer with `envs.plugins` and `envs.knobs`: every package may
+import it and it imports nothing else from the project. Per-token arrays are numpy arrays that share
 one length, checked on construction.
 """
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 import numpy as np
+
+from envs.plugins import check_plugin_name
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -108,9 +110,9 @@ class Task:
         if not self.messages:
             raise ValueError(f"task {self.id!r} has no messages")
         self._validate_tests()
-        if self.reward_fn is not None and not _is_import_string(self.reward_fn):
-            raise ValueError(f"task {self.id!r}: reward_fn={self.reward_fn!r} is not an import "
-                             "string; write it as 'package.module:Class'")
+        if self.reward_fn is not None and check_plugin_name("reward fn", self.reward_fn) is not None:
+            raise ValueError(f"task {self.id!r}: reward_fn={self.reward_fn!r}: "
+                             f"{check_plugin_name('reward fn', self.reward_fn)}")
 
     def _validate_tests(self) -> None:
         for name in ("fail_to_pass", "pass_to_pass"):
@@ -131,11 +133,6 @@ class Task:
                              "hidden_tests to run them in; add one")
         if self.test_patch is not None and not self.test_patch.strip():
             raise ValueError(f"task {self.id!r}: test_patch is empty; use None for no patch")
-
-
-def _is_import_string(value: str) -> bool:
-    module, sep, attr = value.partition(":")
-    return bool(sep and module and attr)
 
 
 def _node_id_problem(node_id: object) -> str:

@@ -1,5 +1,7 @@
-"""Warm start for the quickstart: a short supervised pass (trainer.sft) on synthetic
-demonstrations of the toy arithmetic tasks; the result is cached next to the base model.
+"""The quickstart's warm start (`model.warm_start: toy_demonstrations`): a short supervised
+pass (trainer.sft) on synthetic demonstrations of the toy arithmetic tasks; the result is
+cached under the cache root. It lives with the quickstart, not in the trainer core: the
+trainer only calls whatever `model.warm_start` names.
 
 Without it the tiny model starts from random weights, never calls a tool and never gets
 a reward, so GRPO has no signal. The demonstrations are generated from another seed than
@@ -27,12 +29,16 @@ import logging
 import random
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from envs.sandbox.base import ExecResult
 from envs.tasks.toy import PROMPT, build_toy_arithmetic, build_toy_arithmetic_easy
 from envs.tools.sandbox_tools import PythonTool, render_exec_result
-from rollout.types import Message, Task, ToolCall
+from envs.types import Message, Task, ToolCall
 from trainer.sft import Demonstration, build_sft_example, demonstrations_key, run_sft
+
+if TYPE_CHECKING:
+    from trainer.config import SluiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +107,17 @@ def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
     log.info("warm start: loss %.3f -> %.3f in %.1fs", result.first_loss, result.last_loss,
              result.seconds)
     return out
+
+
+def toy_warm_start(base_path: Path, cfg: "SluiceConfig") -> Path:
+    """The `model.warm_start` plug-in: `model.warm_start_steps` supervised steps on
+    demonstrations of `envs.tasks` (a toy_arithmetic set)."""
+    from envs.cache import default_cache_dir
+
+    if cfg.envs.tasks not in BUILDERS:
+        raise ValueError(f"model.warm_start=toy_demonstrations needs a toy_arithmetic task set "
+                         f"({', '.join(BUILDERS)}), not envs.tasks={cfg.envs.tasks!r}; set "
+                         "model.warm_start=null or write your own warm start")
+    return warm_start_model(base_path, cfg.envs.tasks, steps=cfg.model.warm_start_steps,
+                            max_observation_tokens=cfg.envs.max_observation_tokens,
+                            cache_root=default_cache_dir() / "models")

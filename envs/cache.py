@@ -1,4 +1,4 @@
-"""Where task folders built on this host live (bundled code tasks written out, SWE base
+"""Where everything sluice builds on this host lives (bundled code tasks written out, SWE base
 snapshots exported), and how they are built: into a temporary sibling, then renamed into
 place, so a folder that exists is complete even if a builder crashed or raced another."""
 
@@ -8,12 +8,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 
-def default_cache_dir() -> str:
-    """$SLUICE_CACHE_DIR, else ~/.cache/sluice."""
-    return os.environ.get("SLUICE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                              "sluice")
+def default_cache_dir() -> Path:
+    """The one cache root of sluice: $SLUICE_CACHE_DIR, else $XDG_CACHE_HOME/sluice, else
+    ~/.cache/sluice (tiny model, warm starts, task folders, runtimes)."""
+    if os.environ.get("SLUICE_CACHE_DIR"):
+        return Path(os.environ["SLUICE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
 
 
 def build_once(dest: str, build: Callable[[str], None]) -> str:

@@ -1,0 +1,36 @@
+"""The `envs` section of the recipe: tasks, sandboxes and tools. The trainer composes it
+into the one schema (`trainer.config.SluiceConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from envs.knobs import knob, mapping_knob
+
+
+@dataclass(frozen=True, slots=True)
+class EnvsConfig:
+    tasks: str = knob("toy_arithmetic", "Task source: a built-in set name or a JSONL/parquet path.")
+    task_format: Literal["auto", "toy", "code", "swe", "jsonl"] = knob(
+        "auto", "How to read `tasks`; auto: from the name or file extension.")
+    tools: dict[str, str] = mapping_knob(
+        "Extra tools tasks may name, as name -> built-in name or import string "
+        "'package.module:Class' (built with the trajectory's TrajectoryEnv); they join the "
+        "built-ins (calculator, bash, python, read_file, write_file, str_replace, run_tests, "
+        "submit) and may replace one of them.")
+    sandbox_backend: Literal["local", "container"] = knob(
+        "local", "local: namespaces + rlimits + cgroups; container: podman/docker per task image.")
+    num_sandbox_workers: int = knob(1, "SandboxWorker actors in the sandbox pool.")
+    cpus_per_sandbox_worker: float = knob(1.0, "Ray CPUs reserved per SandboxWorker.")
+    sandboxes_per_worker: int = knob(64, "Most live sandboxes one worker owns.")
+    num_warm_sandboxes: int = knob(8, "Pre-created generic sandboxes kept ready per worker.")
+    exec_timeout_s: float = knob(30.0, "Default wall-clock limit of one sandboxed command.")
+    memory_limit_mb: int = knob(1024, "Memory limit of one sandbox.")
+    max_processes: int = knob(64, "Process limit of one sandbox.")
+    max_output_bytes: int = knob(65_536, "Captured stdout+stderr per command (head and tail kept).")
+    max_observation_tokens: int = knob(1024, "Tool output tokens shown to the model (truncated "
+                                       "with a marker).")
+    max_workspace_changes_mb: int = knob(64, "Cap on a trajectory's final workspace changes "
+                                         "(files written vs the task source) handed to grading; "
+                                         "over it the trajectory scores 0.")

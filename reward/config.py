@@ -1,0 +1,30 @@
+"""The `reward` section of the recipe: the reward function, grading and the judge pool.
+The trainer composes it into the one schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from envs.knobs import knob, section
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeConfig:
+    enabled: bool = knob(False, "Serve a generative reward model on the judge pool.")
+    model_path: str = knob("tiny", "Judge model folder ('tiny' on CPU); never synced.")
+    num_engines: int = knob(1, "vLLM engines in the judge pool.")
+    tp_size: int = knob(1, "Tensor-parallel GPUs per judge engine (1 on cpu).")
+    cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per judge engine.")
+    kv_cache_memory_bytes: int | None = knob(None, "Explicit judge KV-cache size; None: as "
+                                             "rollout.kv_cache_memory_bytes.")
+    max_new_tokens: int = knob(256, "Judge verdict length limit.")
+
+
+@dataclass(frozen=True, slots=True)
+class RewardConfig:
+    fn: str = knob("reward.rules:ExactMatch", "RewardFn as an import string 'package.module:Class'.")
+    max_concurrency: int = knob(64, "Rewards computed at once per agent-loop worker (each "
+                                "worker scores the groups it produced, on its own node).")
+    timeout_s: float = knob(300.0, "Limit of one reward computation; a timeout scores as failure.")
+    judge: JudgeConfig = section(JudgeConfig, "Generative judge served on its own GPU pool.")

@@ -1,0 +1,101 @@
+"""The `rollout` and `agent` sections of the recipe: engines, router, agent workers and
+the per-trajectory budgets. The trainer composes them into the one schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from envs.config import EnvsConfig
+from envs.knobs import knob
+from reward.config import RewardConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    num_engines: int = knob(1, "vLLM engines in the rollout pool.")
+    tp_size: int = knob(1, "Tensor-parallel GPUs per engine (must be 1 on cpu).")
+    cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per engine.")
+    gpu_memory_utilization: float = knob(0.85, "Fraction of GPU memory vLLM may use (cuda).")
+    kv_cache_memory_bytes: int | None = knob(None, "Explicit KV-cache size per engine. None: "
+                                             "1 GiB on cpu (vLLM's memory probe fails there), "
+                                             "gpu_memory_utilization on cuda.")
+    max_num_seqs: int = knob(256, "Most concurrent sequences one engine schedules.")
+    enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes across turns.")
+    enforce_eager: bool = knob(False, "Skip torch.compile and CUDA graphs: engines start in "
+                               "seconds; right for tiny models, slower for real ones.")
+    temperature: float = knob(1.0, "Sampling temperature (1.0 keeps behaviour logprobs exact).")
+    top_p: float = knob(1.0, "Nucleus sampling mass.")
+    top_k: int = knob(-1, "Top-k sampling; -1 disables it.")
+    num_agent_workers: int = knob(1, "AgentLoopWorker actors (CPU); each runs many trajectories.")
+    cpus_per_agent_worker: float = knob(0.5, "Ray CPUs reserved per AgentLoopWorker.")
+    num_router_sessions: int = knob(100_000, "Sticky-routing sessions kept (LRU) before the "
+                                    "oldest is forgotten.")
+    request_timeout_s: float = knob(600.0, "An engine that does not answer one generate call "
+                                    "within this is treated as dead.")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    loop: str = knob("rollout.agent_loop:ToolAgentLoop", "Default AgentLoop class as an import "
+                     "string 'package.module:Class'; a task's own agent_loop overrides it.")
+    chat_family: Literal["auto", "tiny", "chatml", "qwen2_5", "qwen3", "llama3"] = knob(
+        "auto", "Chat-template family of the token-continuity builder; auto: from the tokenizer.")
+    keep_thinking: bool = knob(True, "Keep <think> blocks of earlier turns in the context "
+                               "(False starts a new segment without them).")
+    continuity_check: bool = knob(False, "Debug: compare incremental ids with a full re-render "
+                                  "every turn and report the first divergence.")
+    max_turns: int = knob(8, "Model turns per trajectory before it ends with max_turns.")
+    max_new_tokens_per_turn: int = knob(256, "Generation budget of one turn.")
+    max_response_tokens: int = knob(2048, "Budget of all response tokens (model + tool) of one "
+                                    "trajectory before it ends with max_tokens.")
+    max_tool_calls_per_turn: int = knob(4, "Tool calls executed per turn; extra calls get an "
+                                        "error observation.")
+    tool_timeout_s: float = knob(30.0, "Wall-clock limit of one tool call; the model sees a "
+                                 "timeout message.")
+    trajectory_timeout_s: float = knob(1800.0, "Wall-clock limit of one trajectory.")
+
+
+class _ModelView(Protocol):
+    @property
+    def dtype(self) -> str: ...  # auto, float32, bfloat16, float16
+
+    @property
+    def max_context_tokens(self) -> int: ...
+
+
+class _ClusterView(Protocol):
+    @property
+    def device(self) -> str: ...  # cpu or cuda
+
+
+class _TrainView(Protocol):
+    @property
+    def seed(self) -> int: ...
+
+
+class RolloutRecipe(Protocol):
+    """What the rollout side reads of a recipe. The trainer composes the whole schema
+    (`trainer.config.SluiceConfig`), which has this shape; rollout code is typed against
+    this view so that the import edge points down only."""
+
+    @property
+    def rollout(self) -> RolloutConfig: ...
+
+    @property
+    def agent(self) -> AgentConfig: ...
+
+    @property
+    def envs(self) -> EnvsConfig: ...
+
+    @property
+    def reward(self) -> RewardConfig: ...
+
+    @property
+    def model(self) -> _ModelView: ...
+
+    @property
+    def cluster(self) -> _ClusterView: ...
+
+    @property
+    def train(self) -> _TrainView: ...
