@@ -18,6 +18,7 @@ from envs.knobs import iter_fields, knob, section
 from envs.plugins import check_plugin_name
 from reward.config import JudgeConfig, RewardConfig
 from rollout.config import AgentConfig, RolloutConfig
+from trainer.plan_config import PlanConfig
 
 __all__ = ["AgentConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "EnvsConfig",
            "EvalConfig", "JudgeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
@@ -152,6 +153,7 @@ class SluiceConfig:
     sync: SyncConfig = section(SyncConfig, "Weight push to the engines.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     logging: LoggingConfig = section(LoggingConfig, "Metrics sinks and run folder.")
+    plan: PlanConfig = section(PlanConfig, "Workload profile of the planner (launch.plan).")
 
     def __post_init__(self) -> None:
         check_config(self)

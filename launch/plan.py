@@ -1,0 +1,512 @@
+"""Capacity planner: `python -m launch.plan recipe=NAME.yaml [section.key=value ...] [--json]`.
+
+Turns a recipe and its `plan` section (the workload profile, `trainer.plan_config`) into
+the seed article's section-7 accounts of one training step: the environment account
+(executions, CPU-hours, concurrent sandboxes, sandbox nodes) and the GPU account (decode,
+prefill between the fully cached and the fully recomputed bound, KV residency, training),
+then the ratio table (environment : model, sandboxes : GPU, rollout : train).
+
+The math is a set of pure functions of resolved numbers (`PlanInputs`); only
+`build_plan` reads the recipe and the model's config.json. Every account assumes the
+whole step's B x G trajectories are in flight at once and every turn costs the profile's
+typical numbers: no tail, no queueing, no staleness overlap (`launch.simulate` models those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.config import SluiceConfig, iter_fields
+from trainer.recipe import load_config
+
+USAGE = """usage: python -m launch.plan recipe=NAME.yaml [section.key=value ...] [--json]
+
+  recipe=NAME.yaml   a file in recipes/ or a path to one
+  section.key=value  override any config key; the workload profile is plan.* (below)
+  --json             print one JSON object with the account (no table)
+  -h, --help         this text and every plan.* key
+"""
+
+# The seed's section 4.3 table: how the environment : model ratio varies with the task.
+SEED_RATIO_ROWS = (
+    # task type, env time per turn, turns, env : model (wall), sandboxes : GPU
+    ("math (rule verifier)", "ms", "1", "~0", "no sandbox"),
+    ("simple tools (search, calc)", "0.1-1 s", "3-5", "1 : 5", "tens of light processes/GPU"),
+    ("code (unit tests)", "10-60 s", "15-30", "3 : 1", "50-60 containers/GPU"),
+    ("SWE-bench-like (full suite)", "1-10 min", "20-50", "10 : 1", "100+ containers/GPU"),
+    ("browser / GUI", "1-5 s render", "20-100", "2 : 1", "1-2 GB memory each"),
+)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """Every number the accounts read, resolved from the recipe and the plan section."""
+
+    groups_per_step: int  # B
+    group_size: int  # G
+    turns: int
+    gen_tokens: int
+    gen_s: float
+    exec_s: float
+    cores_per_exec: float
+    obs_tokens: int
+    prompt_tokens: int
+    window_s: float
+    decode_tokens_per_s_per_gpu: float
+    gpu_flops: float
+    mfu_prefill: float
+    mfu_train: float
+    model_params_b: float
+    kv_bytes_per_token: int
+    kv_pool_gb_per_gpu: float
+    rollout_gpus: int
+    train_gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanAccount:
+    """The section-7 account of one step; field names are the `--json` keys."""
+
+    trajectories: int
+    executions: int
+    cpu_hours: float
+    trajectory_wall_s: float
+    sandboxes_stateful: float
+    sandboxes_releasable: float
+    generated_tokens: int
+    decode_s: float
+    generating_concurrency: float
+    final_context_tokens: int
+    prefill_cached_s: float
+    prefill_uncached_s: float
+    kv_need_bytes: int
+    kv_pool_bytes: float
+    kv_resident_fraction: float
+    prefill_expected_s: float
+    train_tokens: int
+    train_s: float
+
+
+def compute_account(p: PlanInputs) -> PlanAccount:
+    """The issue-18 formulas, in the seed's order."""
+    trajectories = p.groups_per_step * p.group_size
+    executions = trajectories * p.turns
+    trajectory_wall_s = p.turns * (p.gen_s + p.exec_s)
+    final_context = p.prompt_tokens + p.turns * (p.gen_tokens + p.obs_tokens)
+    params = p.model_params_b * 1e9
+    prefill_flops_per_s = p.rollout_gpus * p.gpu_flops * p.mfu_prefill
+    # With a perfect prefix cache each token is prefilled once; without one every turn
+    # re-prefills its whole context, on average half the final one.
+    prefill_cached_s = 2 * params * trajectories * final_context / prefill_flops_per_s
+    uncached_tokens = trajectories * p.turns * final_context / 2
+    prefill_uncached_s = 2 * params * uncached_tokens / prefill_flops_per_s
+    kv_need_bytes = trajectories * final_context * p.kv_bytes_per_token
+    kv_pool_bytes = p.rollout_gpus * p.kv_pool_gb_per_gpu * 1e9
+    resident = min(1.0, kv_pool_bytes / (kv_need_bytes / 2))
+    train_tokens = trajectories * final_context
+    return PlanAccount(
+        trajectories=trajectories,
+        executions=executions,
+        cpu_hours=executions * p.exec_s * p.cores_per_exec / 3600,
+        trajectory_wall_s=trajectory_wall_s,
+        sandboxes_stateful=trajectories * trajectory_wall_s / p.window_s,
+        sandboxes_releasable=executions * p.exec_s / p.window_s,
+        generated_tokens=executions * p.gen_tokens,
+        decode_s=executions * p.gen_tokens / (p.rollout_gpus * p.decode_tokens_per_s_per_gpu),
+        generating_concurrency=trajectories * p.gen_s / (p.gen_s + p.exec_s),
+        final_context_tokens=final_context,
+        prefill_cached_s=prefill_cached_s,
+        prefill_uncached_s=prefill_uncached_s,
+        kv_need_bytes=kv_need_bytes,
+        kv_pool_bytes=kv_pool_bytes,
+        kv_resident_fraction=resident,
+        prefill_expected_s=prefill_cached_s + (1 - resident) * (prefill_uncached_s - prefill_cached_s),
+        train_tokens=train_tokens,
+        # 12N per token: forward + backward (6N) plus the reference and proximal forwards.
+        train_s=12 * params * train_tokens / (p.train_gpus * p.gpu_flops * p.mfu_train),
+    )
+
+
+# --- the model's shape -----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The config.json numbers that size a dense decoder's weights and KV cache."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config_json(cls, data: dict[str, Any], source: str) -> ModelShape:
+        text = data.get("text_config", data)  # multimodal configs nest the language model
+        if any(text.get(key) for key in MOE_KEYS):
+            raise ValueError(f"plan.model_params_b: {source} describes a mixture-of-experts "
+                             "model; set plan.model_params_b (and plan.kv_bytes_per_token) "
+                             "explicitly")
+        try:
+            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+            return cls(num_layers=int(text["num_hidden_layers"]), hidden=hidden,
+                       intermediate=int(text["intermediate_size"]), num_heads=heads,
+                       num_kv_heads=int(text.get("num_key_value_heads") or heads),
+                       head_dim=int(text.get("head_dim") or hidden // heads),
+                       vocab=int(text["vocab_size"]),
+                       tied_embeddings=bool(text.get("tie_word_embeddings", False)),
+                       # Qwen2 has q/k/v biases without saying so in its config.
+                       qkv_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")))
+        except KeyError as exc:
+            raise ValueError(f"plan.model_params_b: {source} lacks {exc.args[0]!r}; set "
+                             "plan.model_params_b and plan.kv_bytes_per_token explicitly") from None
+
+
+def compute_model_params(s: ModelShape) -> int:
+    """Parameters of a dense Llama/Qwen-style decoder (gated MLP, RMSNorm without bias).
+
+    Per-head q/k norms (Qwen3: 2 x head_dim per layer) are left out: under 1e-5 of the total.
+    """
+    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    attention = s.hidden * q_out + 2 * s.hidden * kv_out + q_out * s.hidden
+    if s.qkv_bias:
+        attention += q_out + 2 * kv_out
+    mlp = 3 * s.hidden * s.intermediate
+    per_layer = attention + mlp + 2 * s.hidden
+    embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
+    return s.num_layers * per_layer + embeddings + s.hidden
+
+
+def compute_kv_bytes_per_token(s: ModelShape, dtype_bytes: int) -> int:
+    """K and V of every layer for one token."""
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype_bytes
+
+
+def read_model_config(model_path: str) -> tuple[dict[str, Any] | None, str]:
+    """The model's config.json as data (None when absent) and where it came from."""
+    if model_path == "tiny":
+        from trainer.tiny_model import MARKUP_TOKENS, MODEL_SHAPE, VOCAB_SIZE
+
+        return (dict(MODEL_SHAPE, vocab_size=VOCAB_SIZE + len(MARKUP_TOKENS),
+                     tie_word_embeddings=False, model_type="qwen2"), "the tiny model's shape")
+    path = Path(model_path).expanduser() / "config.json"
+    if not model_path or not path.is_file():
+        return None, str(path)
+    return json.loads(path.read_text()), str(path)
+
+
+# --- sandbox nodes and ratios ----------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class SandboxNode:
+    """One CPU node of the sandbox pool and what one sandbox reserves on it."""
+
+    cores: float
+    memory_gb: float | None  # None: memory does not bound how many fit
+    cores_per_sandbox: float
+    memory_gb_per_sandbox: float
+
+
+def compute_sandbox_nodes(num_sandboxes: float, node: SandboxNode) -> int:
+    """Nodes to host `num_sandboxes` whole sandboxes; a sandbox never spans two nodes."""
+    fit = math.floor(node.cores / node.cores_per_sandbox + 1e-9)
+    if node.memory_gb is not None:
+        fit = min(fit, math.floor(node.memory_gb / node.memory_gb_per_sandbox + 1e-9))
+    if fit < 1:
+        raise ValueError(f"plan.cores_per_sandbox_node: a node ({node.cores:g} cores, "
+                         f"{node.memory_gb} GB) cannot hold one sandbox ({node.cores_per_sandbox:g} "
+                         f"cores, {node.memory_gb_per_sandbox:g} GB); raise the node size")
+    return math.ceil(math.ceil(num_sandboxes - 1e-9) / fit)
+
+
+def compute_decode_bound_tokens_per_s(weight_bytes_per_gpu: float, concurrency_per_gpu: float,
+                                      context_tokens: float, kv_bytes_per_token: float,
+                                      hbm_bytes_per_s: float) -> float:
+    """Decode tokens/s of one GPU when every step reads its weights and all running KV."""
+    step_s = (weight_bytes_per_gpu + concurrency_per_gpu * context_tokens * kv_bytes_per_token) \
+        / hbm_bytes_per_s
+    return concurrency_per_gpu / step_s
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRatios:
+    """The seed's ratio accounts: env : model wall clock, sandboxes per GPU, GPU split."""
+
+    env_to_model_wall: float  # exec_s / gen_s of one turn
+    sandboxes_per_gpu_stateful: float
+    sandboxes_per_gpu_releasable: float
+    rollout_gpu_s: float  # (decode + expected prefill) x rollout GPUs
+    train_gpu_s: float
+    rollout_to_train: float
+    balanced_rollout_gpus: int  # of rollout + train GPUs, the split with equal stage times
+
+
+def compute_ratios(p: PlanInputs, a: PlanAccount) -> PlanRatios:
+    rollout_gpu_s = (a.decode_s + a.prefill_expected_s) * p.rollout_gpus
+    train_gpu_s = a.train_s * p.train_gpus
+    total = p.rollout_gpus + p.train_gpus
+    return PlanRatios(
+        env_to_model_wall=p.exec_s / p.gen_s if p.gen_s else math.inf,
+        sandboxes_per_gpu_stateful=a.sandboxes_stateful / p.rollout_gpus,
+        sandboxes_per_gpu_releasable=a.sandboxes_releasable / p.rollout_gpus,
+        rollout_gpu_s=rollout_gpu_s, train_gpu_s=train_gpu_s,
+        rollout_to_train=rollout_gpu_s / train_gpu_s,
+        # Linear scaling of both stages with GPUs: rollout_gpu_s / n = train_gpu_s / (N - n).
+        balanced_rollout_gpus=min(total - 1, max(1, round(total * rollout_gpu_s
+                                                          / (rollout_gpu_s + train_gpu_s)))))
+
+
+# --- from a recipe ---------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A recipe's resolved plan: the inputs, where the derived ones came from, the node."""
+
+    inputs: PlanInputs
+    node: SandboxNode
+    weight_bytes_per_gpu: float
+    hbm_bytes_per_s: float
+    recipe_sandboxes: int  # envs.num_sandbox_workers x envs.sandboxes_per_worker
+    sources: tuple[tuple[str, float, str], ...]  # (plan key, derived value, where from)
+
+
+Sources = list[tuple[str, float, str]]  # (plan key, derived value, where it came from)
+
+
+def resolve_model(cfg: SluiceConfig, sources: Sources) -> tuple[float, int, int]:
+    """(model_params_b, kv_bytes_per_token, dtype bytes): the plan's or from config.json."""
+    pc = cfg.plan
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if cfg.cluster.device == "cuda" else "float32"
+    dtype_bytes = DTYPE_BYTES[dtype]
+    params_b, kv_bytes = pc.model_params_b, pc.kv_bytes_per_token
+    if params_b is not None and kv_bytes is not None:
+        return params_b, kv_bytes, dtype_bytes
+    data, where = read_model_config(cfg.model.path)
+    if data is None:
+        missing = [k for k, v in (("plan.model_params_b", params_b),
+                                  ("plan.kv_bytes_per_token", kv_bytes)) if v is None]
+        raise ValueError(f"{missing[0]}: model.path {cfg.model.path!r} has no config.json "
+                         f"({where}) to derive it from; set {' and '.join(missing)} "
+                         "(e.g. plan.model_params_b=8 plan.kv_bytes_per_token=147456 for "
+                         "Qwen3-8B in bf16) or point model.path at the model folder")
+    shape = ModelShape.from_config_json(data, where)
+    if params_b is None:
+        params_b = compute_model_params(shape) / 1e9
+        sources.append(("model_params_b", params_b, where))
+    if kv_bytes is None:
+        kv_bytes = compute_kv_bytes_per_token(shape, dtype_bytes)
+        sources.append(("kv_bytes_per_token", kv_bytes, f"{where}, {dtype}"))
+    return params_b, kv_bytes, dtype_bytes
+
+
+def resolve_kv_pool_gb(cfg: SluiceConfig, weight_bytes_per_gpu: float, sources: Sources) -> float:
+    """KV pool of one rollout GPU: the plan's, the recipe's explicit size, or what is left."""
+    pc, r = cfg.plan, cfg.rollout
+    if pc.kv_pool_gb_per_gpu is not None:
+        return pc.kv_pool_gb_per_gpu
+    if r.kv_cache_memory_bytes is not None:
+        pool_gb = r.kv_cache_memory_bytes / r.tp_size / 1e9
+        sources.append(("kv_pool_gb_per_gpu", pool_gb,
+                        "rollout.kv_cache_memory_bytes / rollout.tp_size"))
+        return pool_gb
+    pool_gb = pc.gpu_memory_gb * r.gpu_memory_utilization - weight_bytes_per_gpu / 1e9
+    if pool_gb <= 0:
+        raise ValueError(f"plan.kv_pool_gb_per_gpu: the weights ({weight_bytes_per_gpu / 1e9:.1f}"
+                         f" GB per GPU) fill plan.gpu_memory_gb x rollout.gpu_memory_utilization;"
+                         " raise rollout.tp_size or set plan.kv_pool_gb_per_gpu")
+    sources.append(("kv_pool_gb_per_gpu", pool_gb, "plan.gpu_memory_gb x "
+                    "rollout.gpu_memory_utilization - weights / rollout.tp_size"))
+    return pool_gb
+
+
+def build_plan(cfg: SluiceConfig) -> Plan:
+    """Resolve every None of `cfg.plan` from the recipe and the model's config.json."""
+    pc, r, e = cfg.plan, cfg.rollout, cfg.envs
+    sources: Sources = []
+    params_b, kv_bytes, dtype_bytes = resolve_model(cfg, sources)
+    weight_bytes_per_gpu = params_b * 1e9 * dtype_bytes / r.tp_size
+    pool_gb = resolve_kv_pool_gb(cfg, weight_bytes_per_gpu, sources)
+
+    def recipe_default(key: str, value: Any, default: Any, where: str) -> Any:
+        if value is not None:
+            return value
+        sources.append((key, default, where))
+        return default
+
+    inputs = PlanInputs(
+        groups_per_step=cfg.train.groups_per_step, group_size=cfg.train.group_size,
+        turns=recipe_default("turns", pc.turns, cfg.agent.max_turns, "agent.max_turns"),
+        gen_tokens=pc.gen_tokens, gen_s=pc.gen_s, exec_s=pc.exec_s,
+        cores_per_exec=pc.cores_per_exec, obs_tokens=pc.obs_tokens,
+        prompt_tokens=pc.prompt_tokens, window_s=pc.window_s,
+        decode_tokens_per_s_per_gpu=pc.decode_tokens_per_s_per_gpu, gpu_flops=pc.gpu_flops,
+        mfu_prefill=pc.mfu_prefill, mfu_train=pc.mfu_train, model_params_b=params_b,
+        kv_bytes_per_token=kv_bytes, kv_pool_gb_per_gpu=pool_gb,
+        rollout_gpus=recipe_default("rollout_gpus", pc.rollout_gpus, r.num_engines * r.tp_size,
+                                    "rollout.num_engines x rollout.tp_size"),
+        train_gpus=recipe_default("train_gpus", pc.train_gpus, cfg.train.num_ranks,
+                                  "train.num_ranks"))
+    node = SandboxNode(
+        cores=recipe_default("cores_per_sandbox_node", pc.cores_per_sandbox_node,
+                             e.cpus_per_sandbox_worker, "envs.cpus_per_sandbox_worker"),
+        memory_gb=pc.memory_gb_per_sandbox_node,
+        cores_per_sandbox=recipe_default(
+            "cores_per_sandbox", pc.cores_per_sandbox,
+            e.cpus_per_sandbox_worker / e.sandboxes_per_worker,
+            "envs.cpus_per_sandbox_worker / envs.sandboxes_per_worker"),
+        memory_gb_per_sandbox=e.memory_limit_mb / 1024)
+    return Plan(inputs=inputs, node=node, weight_bytes_per_gpu=weight_bytes_per_gpu,
+                hbm_bytes_per_s=pc.hbm_bytes_per_s,
+                recipe_sandboxes=e.num_sandbox_workers * e.sandboxes_per_worker,
+                sources=tuple(sources))
+
+
+# --- printing --------------------------------------------------------------------------
+
+def _scaled(value: float, unit: str = "") -> str:
+    for suffix, scale in (("T", 1e12), ("B" if not unit else "G", 1e9), ("M", 1e6)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {suffix}{unit}"
+    return f"{value:,.0f} {unit}".rstrip()
+
+
+def _pct(seconds: float, window_s: float) -> str:
+    return f"{seconds / window_s:.0%} of the window"
+
+
+def format_environment(plan: Plan, a: PlanAccount) -> str:
+    p, n = plan.inputs, plan.node
+    nodes = [compute_sandbox_nodes(x, n) for x in (a.sandboxes_stateful, a.sandboxes_releasable)]
+    memory = f", {n.memory_gb:g} GB" if n.memory_gb is not None else ""
+    offer = plan.recipe_sandboxes
+    verdict = ("enough for stateful sandboxes" if offer >= a.sandboxes_stateful else
+               "enough only if sandboxes are released between turns"
+               if offer >= a.sandboxes_releasable else "too few: trajectories will queue")
+    rows = [
+        "environment account (one step)",
+        f"  executions            {a.executions:,}  (B·G·turns = {p.groups_per_step}·{p.group_size}·{p.turns})",
+        f"  CPU time              {a.cpu_hours:,.0f} CPU·h  (executions x {p.exec_s:g} s x {p.cores_per_exec:g} cores)",
+        f"  trajectory wall       {a.trajectory_wall_s:,.0f} s  ({p.turns} x ({p.gen_s:g} s gen "
+        f"+ {p.exec_s:g} s exec), no queueing)",
+        f"  sandbox-seconds       {_scaled(a.sandboxes_stateful * p.window_s)} stateful / "
+        f"{_scaled(a.sandboxes_releasable * p.window_s)} releasable",
+        f"  concurrent sandboxes  {a.sandboxes_stateful:,.0f} stateful / "
+        f"{a.sandboxes_releasable:,.0f} releasable  (over a {p.window_s:,.0f} s window)",
+        f"  sandbox nodes         {nodes[0]:,} / {nodes[1]:,}  ({n.cores:g}-core{memory} nodes; "
+        f"{n.cores_per_sandbox:g} cores + {n.memory_gb_per_sandbox:g} GB per sandbox)",
+        f"  the recipe offers     {offer:,} sandboxes: {verdict}",
+    ]
+    return "\n".join(rows)
+
+
+def format_gpu(plan: Plan, a: PlanAccount) -> str:
+    p, w = plan.inputs, plan.inputs.window_s
+    per_gpu = a.generating_concurrency / p.rollout_gpus
+    bound = compute_decode_bound_tokens_per_s(plan.weight_bytes_per_gpu, per_gpu,
+                                              a.final_context_tokens / 2, p.kv_bytes_per_token,
+                                              plan.hbm_bytes_per_s)
+    rows = [
+        f"GPU account ({p.rollout_gpus} rollout GPUs, {p.train_gpus} train GPUs, "
+        f"{p.model_params_b:.3g}B parameters)",
+        f"  generated tokens      {_scaled(a.generated_tokens)}",
+        f"  decode                {a.decode_s:,.0f} s ({_pct(a.decode_s, w)}) at "
+        f"{p.decode_tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
+        f"  generating at once    {a.generating_concurrency:,.0f} requests ({per_gpu:,.1f} per GPU);"
+        f" bandwidth-bound decode there: {bound:,.0f} tokens/s/GPU",
+        f"  final context         {a.final_context_tokens:,} tokens",
+        f"  prefill cached        {a.prefill_cached_s:,.0f} s ({_pct(a.prefill_cached_s, w)})",
+        f"  prefill uncached      {a.prefill_uncached_s:,.0f} s ({_pct(a.prefill_uncached_s, w)})",
+        f"  KV need / pool        {_scaled(a.kv_need_bytes, 'B')} / {_scaled(a.kv_pool_bytes, 'B')}"
+        f" ({p.kv_pool_gb_per_gpu:.3g} GB per GPU): {a.kv_resident_fraction:.0%} resident",
+        f"  prefill expected      {a.prefill_expected_s:,.0f} s ({_pct(a.prefill_expected_s, w)})",
+        f"  training tokens       {_scaled(a.train_tokens)}",
+        f"  training              {a.train_s:,.0f} s at MFU {p.mfu_train:g}",
+    ]
+    busy = a.decode_s + a.prefill_expected_s
+    if busy > w:
+        rows.append(f"  warning: rollout GPUs are busy {busy:,.0f} s, longer than the "
+                    f"{w:,.0f} s window: add rollout GPUs or KV residency")
+    return "\n".join(rows)
+
+
+def format_ratios(plan: Plan, a: PlanAccount) -> str:
+    p, r = plan.inputs, compute_ratios(plan.inputs, a)
+    header = ("task type", "env time/turn", "turns", "env : model", "sandboxes : GPU")
+    mine = ("this plan", f"{p.exec_s:g} s", f"{p.turns}", f"{r.env_to_model_wall:.2g} : 1",
+            f"{r.sandboxes_per_gpu_stateful:.0f} stateful / {r.sandboxes_per_gpu_releasable:.0f}"
+            " releasable")
+    widths = (28, 14, 7, 12)
+    rows = ["ratios (the seed's table, then this plan)"]
+    for row in (header, *SEED_RATIO_ROWS, mine):
+        rows.append("  " + "".join(f"{c:<{wd}}" for c, wd in zip(row, widths)) + row[-1])
+    total = p.rollout_gpus + p.train_gpus
+    rows.append(f"  rollout : train       {r.rollout_to_train:.2f} : 1 in GPU-seconds per step; "
+                f"of {total} GPUs, {r.balanced_rollout_gpus} rollout / "
+                f"{total - r.balanced_rollout_gpus} train balance the two stages")
+    return "\n".join(rows)
+
+
+def format_plan(plan: Plan, a: PlanAccount) -> str:
+    p = plan.inputs
+    derived = "".join(f"\n  plan.{key} = {value:.4g}  ({where})" for key, value, where in plan.sources)
+    head = (f"workload: {p.groups_per_step:,} groups x G={p.group_size} = "
+            f"{p.groups_per_step * p.group_size:,} trajectories of {p.turns} turns; per turn "
+            f"{p.gen_tokens:,} tokens in {p.gen_s:g} s, {p.exec_s:g} s exec, {p.obs_tokens:,} "
+            f"tokens back; prompt {p.prompt_tokens:,} tokens")
+    return "\n\n".join([head + (f"\nderived:{derived}" if derived else ""),
+                        format_environment(plan, a), format_gpu(plan, a), format_ratios(plan, a)])
+
+
+def format_help() -> str:
+    lines = [USAGE, "plan keys (default; doc):"]
+    for key, f in iter_fields(SluiceConfig):
+        if key.startswith("plan."):
+            lines.append(f"  {key} = {f.default!r}  [{f.type}]\n      {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def parse_argv(argv: list[str]) -> tuple[str | None, list[str], bool, bool]:
+    """Split argv into (recipe, overrides, as_json, help); unknown flags are errors."""
+    flags = {arg for arg in argv if arg.startswith("-")}
+    if unknown := sorted(flags - {"--json", "-h", "--help"}):
+        raise ValueError(f"unknown flag {unknown[0]!r}; flags are --json and --help")
+    recipes = [arg.removeprefix("recipe=") for arg in argv if arg.startswith("recipe=")]
+    overrides = [arg for arg in argv if not arg.startswith(("-", "recipe="))]
+    return (recipes[-1] if recipes else None), overrides, "--json" in flags, \
+        bool(flags & {"-h", "--help"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        recipe, overrides, as_json, want_help = parse_argv(sys.argv[1:] if argv is None else argv)
+        if want_help:
+            print(format_help())
+            return 0
+        plan = build_plan(load_config(recipe, overrides))
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    account = compute_account(plan.inputs)
+    if as_json:
+        print(json.dumps(dataclasses.asdict(account), indent=2))
+    else:
+        print(format_plan(plan, account))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
