@@ -96,6 +96,18 @@ class PlanAccount:
     train_s: float
 
 
+def compute_prefill_s(params: float, tokens: float, gpus: float, gpu_flops: float,
+                      mfu: float) -> float:
+    """Prefill is compute-bound: 2 FLOPs per parameter per token."""
+    return 2 * params * tokens / (gpus * gpu_flops * mfu)
+
+
+def compute_train_s(params: float, tokens: float, gpus: float, gpu_flops: float,
+                    mfu: float) -> float:
+    """12N per token: forward + backward (6N) plus the reference and proximal forwards."""
+    return 12 * params * tokens / (gpus * gpu_flops * mfu)
+
+
 def compute_account(p: PlanInputs) -> PlanAccount:
     """The issue-18 formulas, in the seed's order."""
     trajectories = p.groups_per_step * p.group_size
@@ -103,12 +115,13 @@ def compute_account(p: PlanInputs) -> PlanAccount:
     trajectory_wall_s = p.turns * (p.gen_s + p.exec_s)
     final_context = p.prompt_tokens + p.turns * (p.gen_tokens + p.obs_tokens)
     params = p.model_params_b * 1e9
-    prefill_flops_per_s = p.rollout_gpus * p.gpu_flops * p.mfu_prefill
     # With a perfect prefix cache each token is prefilled once; without one every turn
     # re-prefills its whole context, on average half the final one.
-    prefill_cached_s = 2 * params * trajectories * final_context / prefill_flops_per_s
+    prefill_cached_s = compute_prefill_s(params, trajectories * final_context, p.rollout_gpus,
+                                         p.gpu_flops, p.mfu_prefill)
     uncached_tokens = trajectories * p.turns * final_context / 2
-    prefill_uncached_s = 2 * params * uncached_tokens / prefill_flops_per_s
+    prefill_uncached_s = compute_prefill_s(params, uncached_tokens, p.rollout_gpus, p.gpu_flops,
+                                           p.mfu_prefill)
     kv_need_bytes = trajectories * final_context * p.kv_bytes_per_token
     kv_pool_bytes = p.rollout_gpus * p.kv_pool_gb_per_gpu * 1e9
     resident = min(1.0, kv_pool_bytes / (kv_need_bytes / 2))
@@ -131,8 +144,7 @@ def compute_account(p: PlanInputs) -> PlanAccount:
         kv_resident_fraction=resident,
         prefill_expected_s=prefill_cached_s + (1 - resident) * (prefill_uncached_s - prefill_cached_s),
         train_tokens=train_tokens,
-        # 12N per token: forward + backward (6N) plus the reference and proximal forwards.
-        train_s=12 * params * train_tokens / (p.train_gpus * p.gpu_flops * p.mfu_train),
+        train_s=compute_train_s(params, train_tokens, p.train_gpus, p.gpu_flops, p.mfu_train),
     )
 
 
