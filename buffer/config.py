@@ -16,6 +16,9 @@ class BufferConfig:
     failure_policy: Literal["mask", "drop", "resubmit"] = knob(
         "mask", "Groups with error/timeout trajectories: mask those trajectories, drop the "
         "group, or resubmit the task.")
+    max_repeated_failures: int = knob(16, "Stop the run (with a checkpoint) when this many "
+                                      "groups in a row fail with the same error, or 3x this "
+                                      "many with any error: a broken plug-in or task never loops.")
     max_resubmits: int = knob(2, "Resubmissions of one task before its group is dropped.")
     filter_zero_variance: bool = knob(False, "Drop groups whose rewards are all equal (no "
                                       "GRPO signal).")

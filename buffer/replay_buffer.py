@@ -1,15 +1,22 @@
 """The replay buffer between rollout and training: terminal groups only, bounded staleness.
 
 Two mechanisms keep off-policy data within `buffer.max_staleness` (eta) versions:
-- admission (AReaL's rule): a new task group may start only while
-  accepted + running < (version + eta + 1) * groups_per_step, so rollout never produces
-  more than training can consume fresh;
+- admission: a new task group may start only while the groups alive now
+  (running + buffered + in training) number fewer than (eta + 1) * groups_per_step, so
+  rollout never produces more than training can consume fresh. A group taken by the
+  trainer stays alive until its step ends (`end_step`): groups admitted during a step
+  are trained at the next version at the earliest. This is AReaL's rule
+  accepted + running <= (version + eta + 1) * B in steady state, stated on what is live
+  rather than on totals since the start, so it is the same after a resume;
 - eviction: a group whose oldest token is more than eta versions behind the trainer when
   it is taken is dropped (counted, broken down by length and turns, so a bias against
   long trajectories shows up in the metrics).
 
 Every admitted group is accounted for: admitted = trained + dropped + running + buffered
-(`check_accounting`). Plain Python; the controller owns the one instance.
++ in training (`check_accounting`). The buffer owns its checkpointed state (`state()`,
+`restore()`): the buffered groups and the totals, so counters continue across resumes;
+groups running at a checkpoint are not in it (their tasks are re-admitted on resume).
+Plain Python; the controller owns the one instance.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Literal
 
 import numpy as np
 
+from buffer.batch import is_zero_variance
 from envs.types import NO_VERSION, Group, TerminationReason, Trajectory
 
 FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT)
@@ -37,12 +45,26 @@ class BufferStats:
     admitted: int  # groups allowed to start
     running: int  # admitted, not yet returned
     buffered: int  # terminal, waiting for the trainer
-    trained: int  # handed to the trainer
+    trained: int  # trained on (their step ended)
+    in_training: int  # taken by the trainer for the step in progress
     dropped: dict[str, int]  # by reason
     resubmitted: int  # tasks sent back for another attempt (not counted as admitted again)
     masked_trajectories: int
     stale_by_turns: dict[int, int]  # evicted groups by the max turns of their trajectories
     stale_by_length: dict[str, int]  # evicted groups by response-length bucket
+
+
+@dataclass(frozen=True, slots=True)
+class BufferState:
+    """What a checkpoint keeps of the buffer: its terminal groups and its totals."""
+
+    groups: tuple[Group, ...]
+    admitted: int  # without the groups running at the checkpoint (they are re-admitted)
+    trained: int
+    dropped: dict[str, int]
+    resubmitted: int
+    masked_trajectories: int
+    attempts: dict[str, int]  # resubmissions per task id
 
 
 def mask_trajectory(t: Trajectory) -> Trajectory:
@@ -74,20 +96,26 @@ class ReplayBuffer:
         self.filter_zero_variance = filter_zero_variance
         self._groups: deque[Group] = deque()  # oldest first
         self._admitted = self._running = self._trained = self._resubmitted = 0
+        self._in_training = 0  # taken for the step in progress
         self._masked = 0
         self._dropped: Counter[str] = Counter()
         self._attempts: Counter[str] = Counter()  # resubmissions per task id
         self._stale_by_turns: Counter[int] = Counter()
         self._stale_by_length: Counter[str] = Counter()
 
-    def capacity(self, version: int) -> int:
-        """Groups that may be accepted or running at trainer `version` (AReaL's bound)."""
-        return (version + self.max_staleness + 1) * self.groups_per_step
+    @property
+    def capacity(self) -> int:
+        """Groups that may be alive at once: (eta + 1) * groups_per_step."""
+        return (self.max_staleness + 1) * self.groups_per_step
 
-    def try_admit(self, version: int) -> bool:
+    @property
+    def num_alive(self) -> int:
+        """Running + buffered + in training: what admission is bounded on."""
+        return self._running + len(self._groups) + self._in_training
+
+    def try_admit(self) -> bool:
         """Reserve a slot for one new task group if the staleness budget allows it."""
-        accepted = self._trained + len(self._groups)
-        if accepted + self._running >= self.capacity(version):
+        if self.num_alive >= self.capacity:
             return False
         self._admitted += 1
         self._running += 1
@@ -113,10 +141,8 @@ class ReplayBuffer:
             group = Group(group.task_id, group.group_id, tuple(
                 mask_trajectory(t) if t.termination in FAILED else t for t in group.trajectories))
             self._masked += len(failed)
-        if self.filter_zero_variance:
-            rewards = group.rewards()
-            if float(rewards.max() - rewards.min()) <= 1e-8:
-                return self._drop("zero_variance")
+        if self.filter_zero_variance and is_zero_variance(group.rewards()):
+            return self._drop("zero_variance")
         self._running -= 1
         self._groups.append(group)
         return "buffered"
@@ -135,11 +161,26 @@ class ReplayBuffer:
 
     def get(self, n: int, version: int) -> list[Group]:
         """Up to `n` groups, oldest first, after evicting every group too stale to train at
-        `version`. Returns fewer than n when not enough are buffered (the trainer waits)."""
+        `version`. Returns fewer than n when not enough are buffered (the trainer waits).
+        The groups stay alive (in training) until `end_step`."""
         self._evict_stale(version)
         out = [self._groups.popleft() for _ in range(min(n, len(self._groups)))]
-        self._trained += len(out)
+        self._in_training += len(out)
         return out
+
+    def end_step(self) -> None:
+        """The step on the groups taken since the last call is over: they count as trained
+        and their admission slots are free."""
+        self._trained += self._in_training
+        self._in_training = 0
+
+    def give_back(self, groups: list[Group]) -> None:
+        """Groups taken for a step that did not happen (the run stopped first): buffered
+        again, oldest first."""
+        if len(groups) > self._in_training:
+            raise AccountingError(f"{len(groups)} groups given back, {self._in_training} taken")
+        self._in_training -= len(groups)
+        self._groups.extendleft(reversed(groups))
 
     def _evict_stale(self, version: int) -> None:
         keep: deque[Group] = deque()
@@ -154,27 +195,38 @@ class ReplayBuffer:
                 keep.append(group)
         self._groups = keep
 
-    def buffered_groups(self) -> list[Group]:
-        """The terminal groups waiting for the trainer (for checkpoints)."""
-        return list(self._groups)
+    def state(self) -> BufferState:
+        """The checkpoint of the buffer between steps (nothing in training)."""
+        if self._in_training:
+            raise AccountingError("state() during a step: end_step() or give_back() first")
+        return BufferState(tuple(self._groups), self._admitted - self._running, self._trained,
+                           dict(self._dropped), self._resubmitted, self._masked,
+                           dict(self._attempts))
 
-    def restore(self, groups: list[Group]) -> None:
-        """Put checkpointed groups back; they count as admitted and buffered."""
-        self._groups.extend(groups)
-        self._admitted += len(groups)
+    def restore(self, state: BufferState) -> None:
+        """Continue from a checkpoint: its groups buffered, its totals carried on."""
+        if self._admitted or self._groups:
+            raise AccountingError("restore() into a buffer that was already used")
+        self._groups.extend(state.groups)
+        self._admitted, self._trained = state.admitted, state.trained
+        self._dropped.update(state.dropped)
+        self._resubmitted, self._masked = state.resubmitted, state.masked_trajectories
+        self._attempts.update(state.attempts)
 
     def __len__(self) -> int:
         return len(self._groups)
 
     def check_accounting(self) -> None:
-        """admitted = trained + dropped + running + buffered, or AccountingError."""
-        total = self._trained + sum(self._dropped.values()) + self._running + len(self._groups)
+        """admitted = trained + dropped + running + buffered + in training, or AccountingError."""
+        total = (self._trained + sum(self._dropped.values()) + self._running + len(self._groups)
+                 + self._in_training)
         if total != self._admitted:
             raise AccountingError(f"admitted {self._admitted} groups but trained {self._trained} + "
                                   f"dropped {dict(self._dropped)} + running {self._running} + "
-                                  f"buffered {len(self._groups)} = {total}")
+                                  f"buffered {len(self._groups)} + in training "
+                                  f"{self._in_training} = {total}")
 
     def stats(self) -> BufferStats:
         return BufferStats(self._admitted, self._running, len(self._groups), self._trained,
-                           dict(self._dropped), self._resubmitted, self._masked,
+                           self._in_training, dict(self._dropped), self._resubmitted, self._masked,
                            dict(self._stale_by_turns), dict(self._stale_by_length))

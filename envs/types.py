@@ -1,5 +1,5 @@
-"""Core data passed between stages: Task -> Trajectory (with Turns, and the agent's final
-WorkspaceChanges until it is scored) -> Group.
+"""Core data passed between stages: Task -> Trajectory (with Turns) -> Group; and the
+agent's final WorkspaceChanges, which stay on the worker that grades them.
 
 This module is the bottom layer with `envs.plugins` and `envs.knobs`: every package may
 import it and it imports nothing else from the project. Per-token arrays are numpy arrays that share
@@ -50,12 +50,17 @@ class Message:
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     name: str | None = None  # tool name, on role "tool"
+    # The assistant's reasoning, apart from `content` (a reasoning parser separates the
+    # two), so that a chat template re-renders or drops it the way the model was trained.
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"message role must be system/user/assistant/tool, got {self.role!r}")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning")
 
     def to_template(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -63,6 +68,8 @@ class Message:
             out["tool_calls"] = [c.to_template() for c in self.tool_calls]
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning  # the key most templates read
         return out
 
 
@@ -162,7 +169,8 @@ def clean_relative_path(path: str) -> str | None:
 class WorkspaceChanges:
     """The agent's final workspace relative to the task's source folder: files written
     (path -> content) and deleted. Built where the sandbox lives (envs.sandbox.changes),
-    carried on the Trajectory to the reward loop, applied to a fresh copy of the source
+    kept by the worker that ran the trajectory (never on the Trajectory, never sent to the
+    driver) for the grading it does right there, applied to a fresh copy of the source
     by grading (reward.grading). A workspace that could not be captured, or whose
     changes are over the size cap, has a `problem` and no files; grading scores it 0."""
 
@@ -211,6 +219,9 @@ class Turn:
     tool_s: float = 0.0
     queue_s: float = 0.0  # time waiting at the turn gate or for a sandbox
     num_tool_timeouts: int = 0  # calls cut by agent.tool_timeout_s
+    # What the tool parser made of this turn's output (rollout.tool_parser.ParseStatus):
+    # ok, no_call, malformed_call, malformed_arguments, unknown_tool, unclosed_block, too_many.
+    tool_parse_status: str = "no_call"
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,10 +259,6 @@ class Trajectory:
     reward: float | None = None  # None until the reward loop scores it
     reward_components: Mapping[str, float] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
-    # The agent's final sandbox workspace, for grading: set by the worker when the
-    # trajectory used a sandbox, None otherwise and again once the reward is computed
-    # (the trainer and checkpoints never carry it).
-    workspace: WorkspaceChanges | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: inputs (lists or arrays) are normalised once, here

@@ -1,19 +1,27 @@
-"""The reward loop: scores each terminal group as soon as it comes back from rollout (not
-at the end of a training step), with the task's own reward function or the recipe's,
-under a per-call timeout and a concurrency limit. A timeout scores as a failure (reward 0,
-counted in the `timeout` component); an exception is left to the caller, which drops
-and counts the group."""
+"""The reward loop of one agent-loop worker: scores each trajectory the worker produced as
+soon as it ends, on the worker's own node, with the task's reward function or the
+recipe's, under a per-call timeout and a concurrency limit. The agent's final workspace
+comes in beside the trajectory (never on it), so it never leaves the node.
+
+Failures are per trajectory and never escape: a timeout scores 0 (component `timeout`);
+an exception marks that one trajectory `error` (component `reward_error`, the message
+in its termination detail), so the buffer's failure policy (mask, drop, resubmit)
+decides what happens to the group, as for any other failed trajectory.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 
+from envs.types import Task, TerminationReason, Trajectory, WorkspaceChanges
 from reward.base import (RewardContext, RewardFn, RewardResult, SandboxFactory, last_model_text,
                          load_reward_fn, reward_fn_name)
 from reward.judge import JudgeClient
-from envs.types import Group, Task, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class RewardLoop:
@@ -28,30 +36,44 @@ class RewardLoop:
         self._fns: dict[str, RewardFn] = {default_fn: load_reward_fn(default_fn)}
         self._limit = asyncio.Semaphore(max_concurrency)
         self.num_timeouts = 0
+        self.num_errors = 0
 
-    def _fn_for(self, task: Task) -> RewardFn:
+    def fn_for(self, task: Task) -> RewardFn:
+        """The task's own reward function if it names one, else the recipe's; resolved once."""
         name = reward_fn_name(task, self.default_fn)
         if name not in self._fns:
             self._fns[name] = load_reward_fn(name)
         return self._fns[name]
 
-    async def score(self, trajectory: Trajectory, task: Task) -> RewardResult:
+    async def compute(self, trajectory: Trajectory, task: Task,
+                      workspace: WorkspaceChanges | None) -> RewardResult:
+        """The RewardFn's result; a timeout is a 0 result, an exception propagates."""
         ctx = RewardContext(final_text=last_model_text(trajectory, self.decode),
-                            workspace=trajectory.workspace,
-                            create_sandbox=self.create_sandbox, timeout_s=self.timeout_s,
-                            judge=self.judge)
+                            workspace=workspace, create_sandbox=self.create_sandbox,
+                            timeout_s=self.timeout_s, judge=self.judge)
         async with self._limit:
             try:
-                return await asyncio.wait_for(self._fn_for(task)(trajectory, task, ctx), self.timeout_s)
+                return await asyncio.wait_for(self.fn_for(task)(trajectory, task, ctx),
+                                              self.timeout_s)
             except TimeoutError:
                 self.num_timeouts += 1
                 return RewardResult(0.0, {"timeout": 1.0},
                                     f"reward exceeded reward.timeout_s={self.timeout_s:g}")
 
-    async def score_group(self, group: Group, task: Task) -> Group:
-        results = await asyncio.gather(*(self.score(t, task) for t in group.trajectories))
-        return Group(group.task_id, group.group_id, tuple(
-            # The workspace served grading only; the buffer, trainer and checkpoints never carry it.
-            dataclasses.replace(t, reward=r.reward, reward_components=dict(r.components),
-                                workspace=None)
-            for t, r in zip(group.trajectories, results)))
+    async def score(self, trajectory: Trajectory, task: Task,
+                    workspace: WorkspaceChanges | None = None) -> Trajectory:
+        """`trajectory` with its reward; a failing RewardFn fails this trajectory only."""
+        try:
+            result = await self.compute(trajectory, task, workspace)
+        except Exception as exc:  # the per-trajectory boundary of scoring
+            self.num_errors += 1
+            log.warning("reward of %s/%s failed: %s: %s", trajectory.group_id, trajectory.index,
+                        type(exc).__name__, exc)
+            detail = f"reward {reward_fn_name(task, self.default_fn)} raised {type(exc).__name__}: {exc}"
+            if trajectory.termination_detail:
+                detail = f"{trajectory.termination_detail}\n{detail}"
+            return dataclasses.replace(trajectory, reward=0.0, reward_components={"reward_error": 1.0},
+                                       termination=TerminationReason.ERROR,
+                                       termination_detail=detail)
+        return dataclasses.replace(trajectory, reward=result.reward,
+                                   reward_components=dict(result.components))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from envs.tools.base import Tool
+from envs.trajectory_env import TrajectoryEnv
 from rollout.chat import ContinuityBuilder, check_continuity
 from rollout.engine import Sampling, TokenOutput
 from rollout.gate import TurnGate
@@ -75,7 +76,7 @@ class AgentContext:
     settings: LoopSettings
     chat: ContinuityBuilder
     tokenizer: Any  # a transformers tokenizer; only `decode` is used by the built-ins
-    tools: Mapping[str, Tool]
+    env: TrajectoryEnv  # this trajectory's tools, sandbox and final workspace
     router: Router
     gate: TurnGate
     recorder: TrajectoryRecorder | None = None
@@ -87,8 +88,12 @@ class AgentContext:
         return f"{self.group_id}/{self.index}"
 
     @property
+    def tools(self) -> Mapping[str, Tool]:
+        return self.env.tools
+
+    @property
     def tool_schemas(self) -> list[Mapping[str, Any]]:
-        return [t.schema for t in self.tools.values()]
+        return self.env.tool_schemas
 
     def start(self, prompt_ids: Sequence[int]) -> TrajectoryRecorder:
         if self.recorder is not None:

@@ -107,12 +107,21 @@ async def start_judge(cfg: RolloutRecipe, model_path: str,
     j = cfg.reward.judge
     if not j.enabled:
         return None
-    from transformers import AutoTokenizer
-
     from rollout.engine_actor import start_engines
 
     spec = build_judge_spec(cfg, model_path)
     engines = await start_engines(spec, j.num_engines, placement_group)
     log.info("judge: %d engine(s) of %s", len(engines), model_path)
+    return build_judge_client(cfg, model_path, engines)
+
+
+def build_judge_client(cfg: RolloutRecipe, model_path: str,
+                       engines: Mapping[str, JudgeEngine]) -> EngineJudgeClient:
+    """The judge client over running judge engines (in the driver, or in each agent-loop
+    worker from the engines' handles: judging happens where the group is scored)."""
+    from transformers import AutoTokenizer
+
+    spec = build_judge_spec(cfg, model_path)
     return EngineJudgeClient(engines, AutoTokenizer.from_pretrained(model_path),
-                             max_new_tokens=j.max_new_tokens, max_model_len=spec.max_model_len)
+                             max_new_tokens=cfg.reward.judge.max_new_tokens,
+                             max_model_len=spec.max_model_len)

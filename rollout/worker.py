@@ -1,37 +1,42 @@
-"""AgentLoopWorker: runs one asyncio coroutine per trajectory and returns a Group once
-all G trajectories of a task are terminal.
+"""AgentLoopWorker: runs one asyncio coroutine per trajectory, scores each trajectory on
+this worker as soon as it ends, and returns a scored Group once all G trajectories of a
+task are terminal.
+
+Each trajectory gets its own environment (envs.trajectory_env.TrajectoryEnv: tools,
+sandbox lease, final workspace), made once and released once whatever the ending; its
+final workspace goes straight to this worker's reward loop and is never put on the
+Trajectory, so it never leaves the node (workers are placed beside their sandbox pool).
 
 This is the one place where a trajectory's failure is caught: an exception anywhere in an
 agent loop or its tools ends that trajectory with `error` (message kept), and the
 wall-clock limit ends it with `timeout`; both keep what the trajectory produced so far.
-The worker itself never fails because of a trajectory. A thin Ray actor hosts it.
-
-Whatever the ending, the trajectory's tools are released afterwards; sandbox tools
-capture the final workspace on release, and the worker puts it on the Trajectory
-(`Trajectory.workspace`) for the reward loop.
+A failing reward function fails its trajectory only (reward.loop). The worker itself
+never fails because of a trajectory. A thin Ray actor hosts it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
+import time
 import traceback
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envs.tools.base import ToolFactory, final_workspace
+from envs.tools.base import ToolClass
+from envs.trajectory_env import EnvBuilder, load_tool_classes
+from envs.types import Group, Task, TerminationReason, Trajectory
+from reward.loop import RewardLoop
 from rollout.agent_loop import AgentContext, LoopSettings, load_agent_loop
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
 from rollout.router import Router
-from envs.types import Group, Task, TerminationReason, Trajectory
-
-from envs.plugins import resolve_plugin
 
 if TYPE_CHECKING:
+    from envs.pool import SandboxProvider
+    from reward.judge import JudgeClient
     from rollout.config import RolloutRecipe
 
 log = logging.getLogger(__name__)
@@ -44,17 +49,21 @@ class WorkerStats:
     end_reasons: Mapping[str, int]
     num_tool_errors: int
     num_continuity_divergences: int  # only counted with agent.continuity_check
+    num_reward_errors: int = 0  # trajectories whose reward function raised
+    num_reward_timeouts: int = 0
+    env_open_s: float = 0.0  # total time spent opening environments (sandbox waits)
 
 
 class AgentLoopWorker:
     def __init__(self, *, default_loop: str, settings: LoopSettings, chat: ContinuityBuilder,
-                 tokenizer: Any, router: Router, tool_factories: Mapping[str, ToolFactory],
+                 tokenizer: Any, router: Router, envs: EnvBuilder, rewards: RewardLoop,
                  trajectory_timeout_s: float, gate: TurnGate | None = None) -> None:
         self.settings = settings
         self.chat = chat
         self.tokenizer = tokenizer
         self.router = router
-        self.tool_factories = dict(tool_factories)
+        self.envs = envs
+        self.rewards = rewards
         self.trajectory_timeout_s = trajectory_timeout_s
         self.gate = gate or TurnGate()
         self._default_loop = default_loop
@@ -63,6 +72,7 @@ class AgentLoopWorker:
         self._end_reasons: Counter[str] = Counter()
         self._num_tool_errors = 0
         self._num_divergences = 0
+        self._env_open_s = 0.0
 
     def loop_for(self, task: Task) -> Any:
         """The task's own loop class if it names one, else the recipe's; resolved once."""
@@ -72,27 +82,29 @@ class AgentLoopWorker:
         return self._loops[name]
 
     def check_task(self, task: Task) -> None:
-        """Fail early (before any trajectory) on a task the worker cannot run."""
+        """Fail early (before any trajectory) on a task the worker cannot run or score."""
         self.loop_for(task)
-        unknown = [t for t in task.tools if t not in self.tool_factories]
-        if unknown:
-            raise ValueError(f"task {task.id!r} names unknown tools {unknown}; "
-                             f"registered: {sorted(self.tool_factories)}")
+        self.envs.check_task(task)
+        self.rewards.fn_for(task)
 
     async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
+        """G scored trajectories of `task`."""
         self.check_task(task)
         trajectories = await asyncio.gather(
             *(self.run_trajectory(task, group_id, i) for i in range(group_size)))
         return Group(task.id, group_id, tuple(trajectories))
 
     async def run_trajectory(self, task: Task, group_id: str, index: int) -> Trajectory:
-        tools = {name: self.tool_factories[name]() for name in task.tools}
+        """One scored trajectory: environment, agent loop, release, reward."""
+        env = self.envs.build(task)
         ctx = AgentContext(task=task, group_id=group_id, index=index, settings=self.settings,
-                           chat=self.chat, tokenizer=self.tokenizer, tools=tools,
+                           chat=self.chat, tokenizer=self.tokenizer, env=env,
                            router=self.router, gate=self.gate)
         self._num_running += 1
         try:
-            await asyncio.gather(*(t.create(task) for t in tools.values()))
+            start = time.monotonic()
+            await env.open()  # waits for a sandbox: not part of the trajectory's own budget
+            self._env_open_s += time.monotonic() - start
             trajectory = await asyncio.wait_for(self.loop_for(task).run(task, ctx),
                                                 self.trajectory_timeout_s)
             _check_result(trajectory, ctx)
@@ -106,10 +118,8 @@ class AgentLoopWorker:
         finally:
             self._num_running -= 1
             self.router.release(ctx.session_id)
-            await self._release_tools(tools)
-        workspace = final_workspace(tools.values())
-        if workspace is not None:
-            trajectory = dataclasses.replace(trajectory, workspace=workspace)
+            workspace = await self._release(env)
+        trajectory = await self.rewards.score(trajectory, task, workspace)
         self._end_reasons[trajectory.termination.value] += 1
         self._num_tool_errors += sum(t.num_tool_errors for t in trajectory.turns)
         self._num_divergences += ctx.continuity_divergence is not None
@@ -127,15 +137,17 @@ class AgentLoopWorker:
         assert ctx.recorder is not None
         return ctx.recorder.finish(reason, detail)
 
-    async def _release_tools(self, tools: Mapping[str, Any]) -> None:
-        results = await asyncio.gather(*(t.release() for t in tools.values()), return_exceptions=True)
-        for name, result in zip(tools, results):
-            if isinstance(result, BaseException):
-                log.warning("releasing tool %s failed: %s", name, result)
+    async def _release(self, env: Any) -> Any:
+        try:
+            return await env.release()
+        except Exception as exc:  # a broken release must not lose the trajectory
+            log.warning("releasing the environment of task %s failed: %s", env.task.id, exc)
+            return None
 
     def stats(self) -> WorkerStats:
         return WorkerStats(self._num_running, sum(self._end_reasons.values()),
-                           dict(self._end_reasons), self._num_tool_errors, self._num_divergences)
+                           dict(self._end_reasons), self._num_tool_errors, self._num_divergences,
+                           self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s)
 
 
 def _check_result(trajectory: object, ctx: AgentContext) -> None:
@@ -147,41 +159,30 @@ def _check_result(trajectory: object, ctx: AgentContext) -> None:
                          f"{trajectory.index} for {ctx.task.id}/{ctx.group_id}/{ctx.index}")
 
 
-BUILTIN_TOOLS = ("calculator",)  # in-process tools; the sandbox tools come with a provider
-
-
-def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[str, Any],
-                       tool_factories: Mapping[str, ToolFactory] | None = None,
-                       sandbox_provider: Any | None = None) -> AgentLoopWorker:
-    """An AgentLoopWorker for the recipe: tokenizer and continuity builder of the policy,
-    a sticky router over `engines`, the in-process built-in tools, and the sandbox tools
-    over `sandbox_provider` when one is given (unless `tool_factories` replaces them all)."""
+def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[str, Any], *,
+                       sandbox_provider: "SandboxProvider | None" = None,
+                       judge: "JudgeClient | None" = None,
+                       tool_classes: Mapping[str, ToolClass] | None = None) -> AgentLoopWorker:
+    """An AgentLoopWorker for the recipe: tokenizer and continuity builder of the policy, a
+    sticky router over `engines`, the built-in tools plus `envs.tools` (unless
+    `tool_classes` replaces them), sandboxes from `sandbox_provider`, and a reward loop
+    grading on this node (`envs.sandbox_backend` sandboxes, the judge's engines)."""
     from transformers import AutoTokenizer
 
+    from envs.pool import load_sandbox_factory
+    from envs.tools.sandbox_tools import build_sandbox_tool_settings
     from rollout.chat import build_continuity_builder
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking)
-    if tool_factories is None:
-        tool_factories = {name: load_tool(name) for name in BUILTIN_TOOLS}
-        if sandbox_provider is not None:
-            from envs.tools.sandbox_tools import (build_sandbox_tool_factories,
-                                                  build_sandbox_tool_settings)
-
-            count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-            settings = build_sandbox_tool_settings(cfg.envs, count_tokens=count)
-            tool_factories = {**tool_factories,
-                              **build_sandbox_tool_factories(sandbox_provider, settings)}
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    envs = EnvBuilder(tool_classes if tool_classes is not None else load_tool_classes(cfg.envs.tools),
+                      sandbox_provider, build_sandbox_tool_settings(cfg.envs, count_tokens=count))
+    rewards = RewardLoop(cfg.reward.fn, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                         timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency,
+                         judge=judge, create_sandbox=load_sandbox_factory(cfg.envs.sandbox_backend))
     router = Router(dict(engines), max_sessions=cfg.rollout.num_router_sessions,
                     request_timeout_s=cfg.rollout.request_timeout_s)
     return AgentLoopWorker(default_loop=cfg.agent.loop, settings=LoopSettings.from_config(cfg),
-                           chat=chat, tokenizer=tokenizer, router=router,
-                           tool_factories=tool_factories,
-                           trajectory_timeout_s=cfg.agent.trajectory_timeout_s)
-
-
-def load_tool(import_string: str) -> ToolFactory:
-    factory = resolve_plugin("tool", import_string)
-    if not callable(factory):
-        raise ValueError(f"tool {import_string!r} is not a class or factory")
-    return factory
+                           chat=chat, tokenizer=tokenizer, router=router, envs=envs,
+                           rewards=rewards, trajectory_timeout_s=cfg.agent.trajectory_timeout_s)

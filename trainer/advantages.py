@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from buffer.batch import is_zero_variance  # noqa: F401  (one check, shared with the buffer)
 from trainer.config import LossConfig
 
-ZERO_VARIANCE_TOL = 1e-8  # rewards this close count as equal: such a group carries no signal
 
 
 def _check_group(rewards_G: torch.Tensor) -> None:
@@ -53,15 +53,6 @@ def compute_batch_advantages(rewards_per_group: Sequence[torch.Tensor],
         raise ValueError("no groups given; a training step needs train.groups_per_step >= 1")
     return torch.cat([compute_grpo_advantages(r_G, cfg.adv_std_norm, cfg.adv_leave_one_out,
                                               cfg.adv_eps) for r_G in rewards_per_group])
-
-
-def is_zero_variance(rewards_G: torch.Tensor | np.ndarray) -> bool:
-    """True when all rewards of the group are equal (within 1e-8): every advantage is 0,
-    so the group only costs compute (see buffer.filter_zero_variance)."""
-    r_G = torch.as_tensor(rewards_G)
-    if r_G.ndim != 1 or r_G.numel() == 0:
-        raise ValueError(f"rewards_G must be a non-empty 1-D array, got shape {tuple(r_G.shape)}")
-    return bool((r_G.max() - r_G.min()).abs() <= ZERO_VARIANCE_TOL)
 
 
 def broadcast_to_tokens(advantages_B: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Checkpoints: the backend's state (model, optimizer, scheduler, version) plus the run's
-own state (step, data cursor, RNG states, buffered terminal groups, tasks in flight),
-written atomically so a crash mid-write leaves the previous checkpoint usable.
+own state (the controller's `ControllerState`: version, data cursor, tasks in flight, the
+buffer's groups and totals; and the RNG states), written atomically so a crash mid-write
+leaves the previous checkpoint usable.
 
 Layout under the run folder:
     checkpoints/step-000012/{backend/, run_state.pkl}   one folder per checkpoint
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from envs.types import Group, Task
+from trainer.controller import ControllerState
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,12 @@ class Checkpointable(Protocol):
 
 @dataclass(slots=True)
 class RunState:
-    step: int  # completed training steps (== policy version)
-    data_cursor: int  # tasks taken from the task stream so far
-    buffered_groups: list[Group] = field(default_factory=list)
-    in_flight_tasks: list[Task] = field(default_factory=list)  # re-admitted on resume
+    controller: ControllerState  # owned and produced by the controller
     rng: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:  # completed training steps (== policy version)
+        return self.controller.version
 
 
 def capture_rng() -> dict[str, Any]:

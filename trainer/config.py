@@ -220,11 +220,16 @@ def check_config(cfg: SluiceConfig) -> None:
                        ("sync.timeout_s", cfg.sync.timeout_s)]:
         _require(value > 0, key, f"must be > 0 seconds, got {value}")
 
+    _require(r.num_agent_workers % cfg.envs.num_sandbox_workers == 0, "rollout.num_agent_workers",
+             f"must be a multiple of envs.num_sandbox_workers ({cfg.envs.num_sandbox_workers}): "
+             "each sandbox node hosts the same number of agent-loop workers, which run their "
+             "trajectories in its sandboxes and grade them there")
     _require(cfg.envs.num_warm_sandboxes <= cfg.envs.sandboxes_per_worker,
              "envs.num_warm_sandboxes", "cannot exceed envs.sandboxes_per_worker")
     _require(cfg.envs.max_workspace_changes_mb >= 1, "envs.max_workspace_changes_mb",
              "must be >= 1")
     _require(cfg.buffer.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
+    _require(cfg.buffer.max_repeated_failures >= 1, "buffer.max_repeated_failures", "must be >= 1")
     for key, value in [("eval.num_tasks", cfg.eval.num_tasks),
                        ("eval.samples_per_task", cfg.eval.samples_per_task)]:
         _require(value >= 1, key, f"must be >= 1, got {value}")

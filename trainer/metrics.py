@@ -1,5 +1,6 @@
-"""Metrics: one small logger with jsonl, wandb and console sinks, plus the busy/idle
-clocks behind perf/*_idle_ratio.
+"""Metrics: pure functions that turn a step's groups and the loop's counters into keys,
+one small logger with jsonl, wandb and console sinks, the transcript sink, and the
+busy/idle clocks behind perf/*_idle_ratio.
 
 Keys are slash-namespaced (DESIGN.md's list: perf/rollout_idle_ratio, staleness/max,
 loss/clip_frac, ...). wandb is offline unless the recipe says otherwise and never needs
@@ -12,9 +13,19 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from envs.types import Group, Trajectory
+
+if TYPE_CHECKING:
+    from buffer.replay_buffer import BufferStats
+    from rollout.engine import EngineStats
+    from rollout.worker import WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +36,14 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per step: {"step": n, "time": unix_s, key: value, ...}."""
+    """One JSON object per step: {"step": n, "time": unix_s, key: value, ...}. Resuming at
+    step `resume_step` first drops the rows written after it, so no step appears twice."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, resume_step: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        if resume_step is not None and path.is_file():
+            truncate_after_step(path, resume_step)
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -41,13 +55,39 @@ class JsonlSink:
         self._file.close()
 
 
+def truncate_after_step(path: Path, step: int) -> int:
+    """Drop the rows of a jsonl file whose "step" is beyond `step` (a torn last line too);
+    returns how many were dropped. Rewritten atomically."""
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except ValueError:
+            dropped += 1
+            continue
+        if row_step > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+    return dropped
+
+
 class WandbSink:
+    """wandb, resumed under the same run id when the run folder is resumed."""
+
     def __init__(self, project: str, run_name: str, run_dir: Path, mode: str,
                  config: Mapping[str, Any]) -> None:
         import wandb
 
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        id_file.write_text(run_id)
         self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode,
-                               config=dict(config), reinit="finish_previous")
+                               config=dict(config), id=run_id, resume="allow",
+                               reinit="finish_previous")
         self.run_dir = Path(self._run.dir).parent
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -93,6 +133,77 @@ class MetricsLogger:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+class TranscriptSink:
+    """Readable transcripts of a few trajectories per step, appended to transcripts.jsonl."""
+
+    def __init__(self, path: Path, decode: Callable[[list[int]], str], per_step: int) -> None:
+        self.path = path
+        self.decode = decode
+        self.per_step = per_step
+
+    def write(self, step: int, groups: Sequence[Group]) -> None:
+        if self.per_step <= 0:
+            return
+        with self.path.open("a", encoding="utf-8") as f:
+            for t in [t for g in groups for t in g.trajectories][:self.per_step]:
+                row = {"step": step, **t.summary(), "components": dict(t.reward_components),
+                       "prompt": self.decode(t.prompt_ids.tolist()),
+                       "response": self.decode(t.response_ids.tolist())}
+                f.write(json.dumps(row) + "\n")
+
+
+def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, float]:
+    """reward/*, staleness/*, rollout/*, end/* of the groups one step trains on."""
+    trajs = [t for g in groups for t in g.trajectories]
+    staleness = [t.staleness(version) for t in trajs if t.oldest_version is not None]
+    turns = [u for t in trajs for u in t.turns]
+    out = {"reward/mean": float(np.mean([t.reward for t in trajs])),
+           "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
+           "staleness/max": float(max(staleness)) if staleness else 0.0,
+           "rollout/tokens_generated": float(sum(t.num_model_tokens for t in trajs)),
+           "rollout/turns": float(np.mean([len(t.turns) for t in trajs])),
+           "rollout/prefix_cache_hit_rate": compute_hit_rate(trajs),
+           "rollout/tool_calls": float(sum(u.num_tool_calls for u in turns)),
+           "rollout/tool_errors": float(sum(u.num_tool_errors for u in turns)),
+           "rollout/tool_timeouts": float(sum(u.num_tool_timeouts for u in turns))}
+    out.update({f"end/{r}": float(n) for r, n in Counter(t.termination.value for t in trajs).items()})
+    for name in sorted({k for t in trajs for k in t.reward_components}):
+        values = [t.reward_components.get(name, 0.0) for t in trajs]
+        # Findings and failures are counts (how many trajectories); scores are means.
+        counted = name.startswith("hack_") or name in ("reward_error", "timeout")
+        out[f"reward/{name}"] = float(np.sum(values) if counted else np.mean(values))
+    return out
+
+
+def compute_hit_rate(trajs: Sequence[Trajectory]) -> float:
+    """Prompt tokens served from the prefix cache over prompt tokens sent, from the
+    engines' per-request counts."""
+    sent = sum(turn.prompt_tokens for t in trajs for turn in t.turns)
+    cached = sum(turn.cached_prompt_tokens for t in trajs for turn in t.turns)
+    return cached / sent if sent else 0.0
+
+
+def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineStats"],
+                         workers: Sequence["WorkerStats"], last_cache: tuple[int, int]
+                         ) -> tuple[dict[str, float], tuple[int, int]]:
+    """buffer/*, staleness/dropped_groups and the engines' and workers' counters; returns
+    the metrics and the prefix-cache counters to pass as `last_cache` next time."""
+    queries = sum(e.prefix_cache_queries for e in engines.values())
+    hits = sum(e.prefix_cache_hits for e in engines.values())
+    out = {"staleness/dropped_groups": float(buffer.dropped.get("stale", 0)),
+           "buffer/size": float(buffer.buffered), "buffer/running": float(buffer.running),
+           "buffer/admitted": float(buffer.admitted), "buffer/trained": float(buffer.trained),
+           # vLLM's own counters (cumulative per engine), as a rate since the last call
+           "rollout/prefix_cache_hit_rate_vllm": (hits - last_cache[1]) / max(queries - last_cache[0], 1),
+           "rollout/trajectories_running": float(sum(w.num_running for w in workers)),
+           # cumulative; counted only with agent.continuity_check (a debug setting)
+           "rollout/continuity_divergences": float(sum(w.num_continuity_divergences for w in workers)),
+           "reward/errors_total": float(sum(w.num_reward_errors for w in workers)),
+           "env/open_s_total": float(sum(w.env_open_s for w in workers))}
+    out.update({f"buffer/dropped_{k}": float(v) for k, v in buffer.dropped.items()})
+    return out, (queries, hits)
 
 
 class BusyClock:

@@ -49,7 +49,8 @@ def _bundle(cpus: float, gpus: int, **custom: float) -> tuple[tuple[str, float],
 
 
 def plan_pools(cfg: SluiceConfig) -> tuple[PoolSpec, ...]:
-    """The pools a recipe needs; GPU counts are zero when cluster.device is cpu."""
+    """The pools a recipe needs; GPU counts are zero when cluster.device is cpu. The
+    agent-loop workers take no pool of their own: they share the sandbox bundles."""
     gpu = cfg.cluster.device == "cuda"
     r, t, e, j = cfg.rollout, cfg.train, cfg.envs, cfg.reward.judge
     pools = [
@@ -65,10 +66,16 @@ def plan_pools(cfg: SluiceConfig) -> tuple[PoolSpec, ...]:
                               "PACK", f"judge vLLM engine (tp={j.tp_size})",
                               ("reward.judge.num_engines", "reward.judge.tp_size",
                                "reward.judge.cpus_per_engine")))
+    # Agent-loop workers live beside the sandboxes they use and grade with: each bundle
+    # hosts one SandboxWorker and num_agent_workers / num_sandbox_workers AgentLoopWorkers.
+    per_node = r.num_agent_workers // e.num_sandbox_workers
+    cpus = e.cpus_per_sandbox_worker + per_node * r.cpus_per_agent_worker
     pools.append(PoolSpec("sandbox", e.num_sandbox_workers,
-                          _bundle(e.cpus_per_sandbox_worker, 0, **{cfg.cluster.sandbox_resource: 1}),
-                          "SPREAD", f"SandboxWorker (<= {e.sandboxes_per_worker} sandboxes)",
-                          ("envs.num_sandbox_workers", "envs.cpus_per_sandbox_worker")))
+                          _bundle(cpus, 0, **{cfg.cluster.sandbox_resource: 1}),
+                          "SPREAD", f"SandboxWorker (<= {e.sandboxes_per_worker} sandboxes) + "
+                          f"{per_node} AgentLoopWorker{'s' if per_node > 1 else ''}",
+                          ("envs.num_sandbox_workers", "envs.cpus_per_sandbox_worker",
+                           "rollout.num_agent_workers", "rollout.cpus_per_agent_worker")))
     return tuple(pools)
 
 

@@ -1,12 +1,24 @@
 """Builds a whole run from a checked config and runs it: model (and warm start), Ray
-pools, engines, sandbox pools, agent workers, train ranks, reward loop, metrics sinks,
-the controller, checkpoints and Ctrl-C. `trainer.main` calls `run(cfg)`."""
+pools, engines, sandbox pools with their agent-loop workers (which run and score the
+groups), train ranks, metrics sinks, the controller, checkpoints, resume and Ctrl-C.
+`trainer.main` calls `run(cfg)`.
+
+Stopping: the first Ctrl-C (or SIGTERM) stops admitting and ends the run at the next step
+boundary, or at once while starting up or waiting for groups; in-flight groups are
+cancelled (their sandboxes released by their workers), a checkpoint is written, Ray is
+shut down and the resume command printed. A second signal abandons the checkpoint and
+shuts down at once; a third exits the process.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -14,16 +26,53 @@ from pathlib import Path
 
 from trainer.config import SluiceConfig
 from trainer.controller import Controller, RunSummary
-from trainer.metrics import ConsoleSink, JsonlSink, MetricsLogger, MetricsSink, WandbSink
+from trainer.metrics import (ConsoleSink, JsonlSink, MetricsLogger, MetricsSink, TranscriptSink,
+                             WandbSink)
 
 log = logging.getLogger(__name__)
 
 
-def resolve_run_dir(cfg: SluiceConfig, recipe_name: str) -> Path:
-    name = cfg.logging.run_name or f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(cfg.logging.output_dir).resolve() / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunPlace:
+    """Where a run lives, and the checkpoint it resumes from (None: a fresh run)."""
+
+    run_dir: Path
+    resume_from: Path | None
+
+
+def resolve_run_place(cfg: SluiceConfig, recipe_name: str) -> RunPlace:
+    """The run folder (not created here) and the checkpoint to resume from.
+
+    checkpoint.resume_from=latest resumes the newest checkpoint of the run named
+    logging.run_name or, without a name, of the newest run of this recipe; a path may be a
+    run folder or one of its checkpoints/step-N folders. ValueError says what is missing.
+    """
+    from trainer.checkpoint import latest_checkpoint
+
+    out = Path(cfg.logging.output_dir).resolve()
+    resume = cfg.checkpoint.resume_from
+    if resume is None:
+        name = cfg.logging.run_name or f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return RunPlace(out / name, None)
+    if resume == "latest":
+        if cfg.logging.run_name:
+            candidates = [out / cfg.logging.run_name]
+        else:
+            candidates = sorted((p for p in out.glob(f"{recipe_name}-*") if p.is_dir()),
+                                key=lambda p: p.stat().st_mtime, reverse=True)
+        for run_dir in candidates:
+            if (ckpt := latest_checkpoint(run_dir / "checkpoints")) is not None:
+                return RunPlace(run_dir, ckpt)
+        where = out / (cfg.logging.run_name or f"{recipe_name}-*")
+        raise ValueError(f"checkpoint.resume_from=latest: no checkpoint under {where}; name the "
+                         "run (logging.run_name) or give a path (checkpoint.resume_from=RUN_DIR)")
+    path = Path(resume).resolve()
+    if (path / "run_state.pkl").is_file():  # a checkpoint folder: RUN_DIR/checkpoints/step-N
+        return RunPlace(path.parent.parent, path)
+    if (ckpt := latest_checkpoint(path / "checkpoints")) is not None:
+        return RunPlace(path, ckpt)
+    raise ValueError(f"checkpoint.resume_from={resume}: neither a checkpoint (step-N folder with "
+                     "run_state.pkl) nor a run folder holding one")
 
 
 def resolve_model_path(path: str) -> Path:
@@ -46,8 +95,8 @@ def resolve_model(cfg: SluiceConfig) -> str:
     return str(warm_start(base, cfg))
 
 
-def build_sinks(cfg: SluiceConfig, run_dir: Path) -> list[MetricsSink]:
-    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+def build_sinks(cfg: SluiceConfig, run_dir: Path, resume_step: int | None) -> list[MetricsSink]:
+    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
     if cfg.logging.wandb_mode != "disabled":
         sinks.append(WandbSink(cfg.logging.project, run_dir.name, run_dir, cfg.logging.wandb_mode,
                                asdict(cfg)))
@@ -56,89 +105,151 @@ def build_sinks(cfg: SluiceConfig, run_dir: Path) -> list[MetricsSink]:
     return sinks
 
 
+class StopSignals:
+    """SIGINT/SIGTERM while a run is up: the first stops the controller (or cancels the
+    start-up), the second cancels everything, the third exits the process."""
+
+    def __init__(self, main: asyncio.Task) -> None:
+        self.main = main
+        self.controller: Controller | None = None
+        self.count = 0
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.count += 1
+        if self.count == 1 and self.controller is not None:
+            log.warning("%s: stopping at the next step boundary (again to stop at once)", sig.name)
+            self.controller.stop()
+        elif self.count <= 2:
+            log.warning("%s: stopping now", sig.name)
+            self.main.cancel()
+        else:
+            os._exit(130)
+
+    def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
 async def run(cfg: SluiceConfig, recipe_name: str = "run",
               on_batch: Callable[[list, int], None] | None = None) -> tuple[RunSummary, Path]:
+    main = asyncio.current_task()
+    assert main is not None
+    signals = StopSignals(main)
+    place = resolve_run_place(cfg, recipe_name)
+    created = not place.run_dir.exists()
+    try:
+        return await _run(cfg, place, signals, on_batch)
+    except BaseException:
+        # A failed start leaves no empty run folder behind (one with metrics is kept).
+        if created and place.run_dir.is_dir() and not (place.run_dir / "metrics.jsonl").is_file():
+            shutil.rmtree(place.run_dir, ignore_errors=True)
+        raise
+    finally:
+        signals.close()
+
+
+async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
+               on_batch: Callable[[list, int], None] | None) -> tuple[RunSummary, Path]:
     import ray
+    import yaml
     from transformers import AutoTokenizer
 
-    from envs.pool import load_sandbox_factory
     from envs.pool_actor import start_sandbox_pools
     from envs.pool_metrics import PoolMetrics
     from envs.tasks import load_tasks
-    from reward.loop import RewardLoop
     from rollout.engine import EngineSpec
     from rollout.engine_actor import start_engines
     from rollout.judge_client import start_judge
     from rollout.router import Router
-    from rollout.worker_actor import AgentWorkerActor
-    from trainer.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
+    from rollout.worker_actor import RayRollout, start_agent_workers
+    from trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from trainer.pools import build_pools, connect_cluster
-    from trainer.train_actor import TrainGroup
-    from trainer.weight_sync import build_transport, push_weights, resolve_transport
+    from trainer.train_actor import RayTrainer, TrainGroup
+    from trainer.weight_sync import build_transport, resolve_transport
 
     resolve_transport(cfg)
-    run_dir = resolve_run_dir(cfg, recipe_name)
+    run_dir = place.run_dir
     tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
     eval_tasks = load_tasks(cfg.eval.tasks)[:cfg.eval.num_tasks] if cfg.eval.tasks else []
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    connect_cluster(cfg)
-    placed = build_pools(cfg)
-    engines = await start_engines(EngineSpec.from_config(cfg, model_path), cfg.rollout.num_engines,
-                                  placed["rollout"])
-    judge = await start_judge(cfg, str(resolve_model_path(cfg.reward.judge.model_path)),
-                              placed.get("judge"))  # None unless reward.judge.enabled
-    sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
-    workers = [AgentWorkerActor.options(num_cpus=cfg.rollout.cpus_per_agent_worker).remote(
-        cfg, model_path, {n: c.handle for n, c in engines.items()}, sandboxes.handles)
-        for _ in range(cfg.rollout.num_agent_workers)]
-    trainer = TrainGroup(cfg, model_path, placed["train"])
-    transport = build_transport(cfg, sender=trainer)
-    rewards = RewardLoop(cfg.reward.fn, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                         timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency,
-                         judge=judge,
-                         create_sandbox=load_sandbox_factory(cfg.envs.sandbox_backend))
-    checkpoints = run_dir / "checkpoints"
-    state = RunState(step=0, data_cursor=0)
-    resume = cfg.checkpoint.resume_from
-    if resume:
-        path = latest_checkpoint(checkpoints) if resume == "latest" else Path(resume)
-        if path is None:
-            raise ValueError(f"checkpoint.resume_from=latest but {checkpoints} has no checkpoint")
-        state = await asyncio.to_thread(load_checkpoint, path, trainer)
-    logger = MetricsLogger(build_sinks(cfg, run_dir))
-    pool_metrics = PoolMetrics()
-
-    async def env_metrics() -> dict[str, float]:
-        return pool_metrics.update(await sandboxes.stats())
-
-    controller = Controller(cfg, tasks=tasks, workers=workers, router=Router(engines), trainer=trainer,
-                            score_group=rewards.score_group, logger=logger, run_dir=run_dir,
-                            tokenizer=tokenizer, start_version=state.step,
-                            data_cursor=state.data_cursor, pending_tasks=state.in_flight_tasks,
-                            buffered_groups=state.buffered_groups, eval_tasks=eval_tasks,
-                            env_metrics=env_metrics, transport=transport)
-    if resume and state.step > 0:
-        await push_weights(controller.router, await trainer.state_dict_for_push(), state.step,
-                           transport=transport)
-
-    def snapshot() -> RunState:
-        return RunState(step=controller.version, data_cursor=controller.cursor,
-                        buffered_groups=controller.buffer.buffered_groups(),
-                        in_flight_tasks=controller.in_flight_tasks())
-
-    async def on_step(step: int) -> None:
-        every = cfg.checkpoint.every_steps
-        if every and step % every == 0:
-            await asyncio.to_thread(save_checkpoint, checkpoints, trainer, snapshot(),
-                                    cfg.checkpoint.keep_last)
-
-    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, controller.stop)
     try:
-        summary = await controller.run(on_step, on_batch)
-        await asyncio.to_thread(save_checkpoint, checkpoints, trainer, snapshot(),
-                                cfg.checkpoint.keep_last)
+        connect_cluster(cfg)
+        placed = build_pools(cfg)
+        engines = await start_engines(EngineSpec.from_config(cfg, model_path),
+                                      cfg.rollout.num_engines, placed["rollout"])
+        judge_path = str(resolve_model_path(cfg.reward.judge.model_path)) if cfg.reward.judge.enabled else None
+        judge = await start_judge(cfg, judge_path or "", placed.get("judge"))
+        judge_handles = {n: c.handle for n, c in judge.engines.items()} if judge else None
+        sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
+        workers = start_agent_workers(cfg, model_path, {n: c.handle for n, c in engines.items()},
+                                      sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
+        router = Router(engines)
+        group = TrainGroup(cfg, model_path, placed["train"])
+        trainer = RayTrainer(group, router, build_transport(cfg, sender=group),
+                             verify=cfg.sync.verify_checksum)
+        rollout = RayRollout(workers, router)
+        pool_metrics = PoolMetrics()
+
+        async def env_metrics() -> dict[str, float]:
+            return {**pool_metrics.update(await sandboxes.stats()),
+                    "driver/bytes_received": float(rollout.bytes_received)}
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+        controller = Controller(cfg, tasks=tasks, rollout=rollout, trainer=trainer,
+                                logger=MetricsLogger([]), eval_tasks=eval_tasks,
+                                env_metrics=env_metrics,
+                                transcripts=TranscriptSink(
+                                    run_dir / "transcripts.jsonl",
+                                    lambda ids: tokenizer.decode(ids),
+                                    cfg.logging.num_transcripts_per_step))
+        if place.resume_from is not None:
+            state = await asyncio.to_thread(load_checkpoint, place.resume_from, trainer)
+            controller.restore(state.controller)
+            await trainer.push_weights(controller.version)
+            log.info("resumed %s at step %d", place.resume_from, controller.version)
+        controller.logger = MetricsLogger(build_sinks(
+            cfg, run_dir, controller.version if place.resume_from else None))
+        checkpoints = run_dir / "checkpoints"
+        saved: set[int] = set()
+
+        async def save() -> None:
+            if controller.version in saved:
+                return  # the final checkpoint is written once
+            try:
+                state = RunState(controller.state())
+            except RuntimeError as exc:  # stopped inside a step: the last checkpoint stands
+                log.error("no checkpoint at step %d: %s", controller.version, exc)
+                return
+            await asyncio.to_thread(save_checkpoint, checkpoints, trainer, state,
+                                    cfg.checkpoint.keep_last)
+            saved.add(controller.version)
+
+        async def on_step(step: int) -> None:
+            every = cfg.checkpoint.every_steps
+            if every and step % every == 0:
+                await save()
+
+        signals.controller = controller
+        try:
+            summary = await controller.run(on_step, on_batch)
+        finally:
+            if signals.count < 2:  # a second Ctrl-C gives up the checkpoint
+                await save()
+            controller.logger.close()
+        if summary.stopped_early:
+            print(f"\nstopped at step {summary.steps}; resume with:\n  python -m trainer.main "
+                  f"{' '.join(_resume_argv(run_dir))}", file=sys.stderr)
+        return summary, run_dir
     finally:
-        logger.close()
         ray.shutdown()
-    return summary, run_dir
+
+
+def _resume_argv(run_dir: Path) -> list[str]:
+    argv = [a for a in sys.argv[1:] if not a.startswith("checkpoint.resume_from=")]
+    return argv + [f"checkpoint.resume_from={run_dir}"]

@@ -1,13 +1,13 @@
 """Thin Ray shell for training: one TrainRankActor per bundle of the train pool, hosting a
-backend (DeepSpeed by default), and `TrainGroup`, which drives all ranks with the same
-call and splits each batch between them. All behaviour lives in trainer.backends."""
+backend (DeepSpeed by default); `TrainGroup`, which drives all ranks with the same call
+and splits each batch between them by tokens; and `RayTrainer`, the controller's
+TrainerSide over a TrainGroup. All behaviour lives in trainer.backends."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,12 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from buffer.batch import TrainBatch
 from envs.types import Trajectory
+from rollout.router import Router
 from trainer.config import SluiceConfig
+from trainer.seams import TrainOutcome
+from trainer.weight_sync import WeightTransport, push_weights
 
 
 @ray.remote
@@ -100,11 +104,11 @@ class TrainGroup:
                       for i in range(world)]
         self.version = 0
 
-    async def train_step(self, trajectories: Sequence[Trajectory], advantages: np.ndarray) -> Any:
-        """Returns rank 0's StepResult; every rank trains on its shard."""
-        shards = np.array_split(np.arange(len(trajectories)), len(self.ranks))
-        refs = [rank.train_step.remote([trajectories[i] for i in idx], advantages[idx])
-                for rank, idx in zip(self.ranks, shards)]
+    async def train_step(self, batch: TrainBatch) -> Any:
+        """Returns rank 0's StepResult; every rank trains on its shard (balanced by tokens:
+        the step takes as long as its heaviest shard)."""
+        refs = [rank.train_step.remote(list(shard.trajectories), shard.advantages)
+                for rank, shard in zip(self.ranks, batch.shards(len(self.ranks)))]
         results = await asyncio.gather(*refs)
         self.version += 1
         return results[0]
@@ -130,3 +134,31 @@ class TrainGroup:
     def load_state(self, folder: str | Path) -> None:
         ray.get([rank.load_state.remote(str(folder)) for rank in self.ranks])
         self.version = ray.get(self.ranks[0].version.remote())
+
+
+class RayTrainer:
+    """The controller's TrainerSide: trains on the train group and pushes its weights to
+    the engines behind `router` through `transport` (verified)."""
+
+    def __init__(self, group: TrainGroup, router: Router, transport: WeightTransport | None,
+                 verify: bool = True) -> None:
+        self.group = group
+        self.router = router
+        self.transport = transport
+        self.verify = verify
+
+    async def train(self, batch: TrainBatch) -> TrainOutcome:
+        result = await self.group.train_step(batch)
+        return TrainOutcome({**result.metrics.to_log(), "perf/train_tokens_per_s": result.tokens_per_s,
+                             "loss/grad_norm": result.grad_norm})
+
+    async def push_weights(self, version: int) -> None:
+        state = await self.group.state_dict_for_push()
+        await push_weights(self.router, state, version, verify=self.verify,
+                           transport=self.transport)
+
+    def save(self, folder: Path) -> None:
+        self.group.save_state(folder)
+
+    def load(self, folder: Path) -> None:
+        self.group.load_state(folder)

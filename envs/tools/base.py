@@ -1,19 +1,28 @@
-"""The Tool protocol: one instance per trajectory, created, executed any number of times,
-optionally scored, then released.
+"""The Tool protocol: a tool is built once per trajectory as `cls(env)` (the trajectory's
+`envs.trajectory_env.TrajectoryEnv`), executed any number of times, and needs no
+lifecycle of its own: the environment owns the sandbox lease and releases it once.
 
 A tool describes itself with an OpenAI function schema (what the chat template shows the
 model). `execute` returns a ToolResult; raising is allowed, the agent loop turns the
 exception into an error observation, but expected failures should come back as results
-with `is_error=True` and a message the model can act on.
+with `is_error=True` and a message the model can act on. A tool class that works in the
+trajectory's sandbox sets `needs_sandbox = True`; the environment then opens one (once,
+for all its tools) before the first turn and reaches it as `env.sandbox`.
+
+Tools that block (CPU-bound work, blocking I/O) must not run on the event loop: they
+would stall every trajectory of their worker. Write `execute` with `await
+asyncio.to_thread(...)` around such work; `check_tool_class` runs a contract any tool
+class can be checked with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
-from envs.types import Task, WorkspaceChanges
+if TYPE_CHECKING:
+    from envs.trajectory_env import TrajectoryEnv
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,38 +42,37 @@ class Tool(Protocol):
         """OpenAI function schema: {"type": "function", "function": {name, description, parameters}}."""
         ...
 
-    async def create(self, task: Task) -> None: ...
-
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult: ...
 
-    async def calc_reward(self) -> float | None: ...
 
-    async def release(self) -> None: ...
-
-
-@runtime_checkable
-class WorkspaceTool(Protocol):
-    """A tool that works in the trajectory's sandbox and captures its final workspace when
-    released (the sandbox tools). Optional: the worker looks for it after releasing a
-    trajectory's tools and puts the capture on the Trajectory for grading."""
-
-    @property
-    def final_workspace(self) -> WorkspaceChanges | None:
-        """The changes against the task source once released; None if no sandbox was used."""
-        ...
+# Builds one trajectory's instance of a tool from that trajectory's environment.
+ToolClass = Callable[["TrajectoryEnv"], Tool]
 
 
-def final_workspace(tools: Iterable[Tool]) -> WorkspaceChanges | None:
-    """The workspace captured by the released `tools` of one trajectory, if any (its
-    sandbox tools share one sandbox, so they all report the same capture)."""
-    for tool in tools:
-        if isinstance(tool, WorkspaceTool) and (found := tool.final_workspace) is not None:
-            return found
-    return None
+def needs_sandbox(tool_class: ToolClass) -> bool:
+    """Whether tools of this class work in the trajectory's sandbox."""
+    return bool(getattr(tool_class, "needs_sandbox", False))
 
 
-# Builds a fresh Tool for one trajectory.
-ToolFactory = Callable[[], Tool]
+def check_tool_class(name: str, tool_class: Any) -> None:
+    """The tool contract, checked without building the tool: a class (or factory) with a
+    string `name`, a function `schema` and `async def execute(self, arguments)`.
+    ValueError says what is missing."""
+    import inspect
+
+    if not callable(tool_class):
+        raise ValueError(f"tool {name!r}: {tool_class!r} is not a class or factory")
+    if inspect.isclass(tool_class):
+        if not isinstance(getattr(tool_class, "name", None), str):
+            raise ValueError(f"tool {name!r}: {tool_class.__name__} needs a class attribute "
+                             "`name` (the name the model calls)")
+        schema = getattr(tool_class, "schema", None)
+        if not isinstance(schema, Mapping) or schema.get("type") != "function":
+            raise ValueError(f"tool {name!r}: {tool_class.__name__}.schema must be an OpenAI "
+                             "function schema (envs.tools.base.function_schema builds one)")
+        if not inspect.iscoroutinefunction(getattr(tool_class, "execute", None)):
+            raise ValueError(f"tool {name!r}: {tool_class.__name__} needs "
+                             "`async def execute(self, arguments) -> ToolResult`")
 
 
 def function_schema(name: str, description: str, properties: Mapping[str, Any],

@@ -9,10 +9,12 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envs.tools.base import ToolResult, function_schema
-from envs.types import Task
+
+if TYPE_CHECKING:
+    from envs.trajectory_env import TrajectoryEnv
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -54,17 +56,11 @@ class CalculatorTool:
     schema = function_schema("calculator", "Evaluate an arithmetic expression, e.g. (3 + 4) * 5.",
                              {"expression": {"type": "string"}}, required=("expression",))
 
-    async def create(self, task: Task) -> None:
-        pass
+    def __init__(self, env: "TrajectoryEnv | None" = None) -> None:
+        pass  # in-process: needs nothing of the trajectory's environment
 
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
         try:
             return ToolResult(str(evaluate_arithmetic(str(arguments["expression"]))))
         except ValueError as exc:
             return ToolResult(f"error: {exc}", is_error=True)
-
-    async def calc_reward(self) -> float | None:
-        return None
-
-    async def release(self) -> None:
-        pass

@@ -1,25 +1,14 @@
 """Sandbox tools (bash, python, read_file, write_file, str_replace, run_tests, submit): the
-tools an agent works with in its trajectory's sandbox, reached through a SandboxProvider
-(the in-process SandboxPool or its Ray actor).
+tools an agent works with in its trajectory's sandbox, and `SandboxSession`, that sandbox.
 
-One sandbox per trajectory. All sandbox tools of a trajectory hold the same
-`SandboxSession`; the first `create(task)` acquires the sandbox (once, however many tools
-call it concurrently) and copies the task's visible tests into `visible_tests/` (never
-the hidden ones); the release of the session's last tool captures the final workspace
-(`SandboxProvider.workspace_changes`, computed in the pool) and then returns the sandbox.
-Every tool of the session then shows that capture as `final_workspace`, which the worker
-puts on the Trajectory for grading; a capture that fails is recorded as the changes'
-`problem` (graded 0), never raised, so the sandbox is always returned.
-
-How the worker's argument-less factories find their trajectory's session: the worker
-builds a trajectory's tools (`tool_factories[name]()` for each name) inside the asyncio
-task that runs that trajectory, and every trajectory runs in its own task. The factories
-of `build_sandbox_tool_factories` ask a `SessionBinder`, which keeps the current session
-in a ContextVar: a value set inside a task is seen by that task only, so concurrent
-trajectories never share a session, and the worker needs no change. A session also stops
-taking tools once it was opened or once it holds a tool of the asked name, so
-trajectories run one after another in one task (tests, custom loops) get fresh sessions.
-Code that builds its own tool dict can skip the binder: `build_sandbox_tools`.
+One sandbox per trajectory, owned by the trajectory's environment
+(`envs.trajectory_env.TrajectoryEnv`): it opens the session once before the first turn
+(acquire from a SandboxProvider, the in-process SandboxPool or its Ray actor, and copy the
+task's visible tests into `visible_tests/`, never the hidden ones) and closes it once when
+the trajectory ends, which captures the final workspace (`SandboxProvider.
+workspace_changes`, computed in the pool) and returns the sandbox. A capture that fails is
+recorded as the changes' `problem` (graded 0), never raised, so the sandbox is always
+returned. Tools are built as `cls(env)` and reach the session as `env.sandbox`.
 
 Observations are cut to `max_observation_tokens` by `truncate_observation`, keeping head
 and tail around a "[... N tokens cut ...]" marker; commands render as exit code, stdout
@@ -29,13 +18,12 @@ and stderr in a fixed format.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from envs.pool import (SANDBOX_FAULT_EXIT_CODE, SandboxLease, SandboxProvider,
                        SandboxUnavailableError)
@@ -43,10 +31,12 @@ from envs.sandbox.base import (WORKSPACE_MOUNT, ExecResult, SandboxLimits, Sandb
                                build_sandbox_limits)
 from envs.sandbox.changes import MAX_CHANGED_BYTES
 from envs.sandbox.output import split_budget
-from envs.tools.base import Tool, ToolFactory, ToolResult, function_schema
-from envs.plugins import resolve_plugin
+from envs.tools.base import ToolResult, function_schema
 from envs.types import Task, WorkspaceChanges
 from envs.config import EnvsConfig
+
+if TYPE_CHECKING:
+    from envs.trajectory_env import TrajectoryEnv
 
 log = logging.getLogger(__name__)
 
@@ -153,60 +143,28 @@ def build_sandbox_tool_settings(envs: EnvsConfig, count_tokens: Callable[[str], 
 
 
 class SandboxSession:
-    """One trajectory's sandbox, shared by its sandbox tools (see the module docstring)."""
+    """One trajectory's sandbox (see the module docstring): opened once, closed once."""
 
     def __init__(self, provider: SandboxProvider, settings: SandboxToolSettings) -> None:
         self.provider = provider
         self.settings = settings
         self.lease: SandboxLease | None = None
         self.has_visible_tests = False
-        # Set when the last tool is released, if a sandbox was opened.
-        self.final_workspace: WorkspaceChanges | None = None
-        self._tool_names: set[str] = set()
-        self._num_attached = 0
-        self._lock = asyncio.Lock()  # one acquire, and no release while it runs
-        self._open_error: Exception | None = None
-        self._started = False
         self._closed = False
 
-    def accepts(self, tool_name: str) -> bool:
-        """Whether a tool of this name may still join (see the module docstring)."""
-        return not (self._started or self._closed or tool_name in self._tool_names)
-
-    def attach(self, tool_name: str) -> None:
-        if not self.accepts(tool_name):
-            raise ValueError(f"sandbox session already started or holds a {tool_name!r} tool; "
-                             "give each trajectory its own session")
-        self._tool_names.add(tool_name)
-        self._num_attached += 1
-
     async def open(self, task: Task) -> None:
-        """Acquire the sandbox for `task` and copy its visible tests in; later calls wait
-        for the first and share its outcome."""
-        self._started = True
-        async with self._lock:
-            if self._open_error is not None:
-                raise self._open_error
-            if self.lease is not None:
-                return
-            if self._closed:
-                raise ValueError("this sandbox session was released; tools of a trajectory "
-                                 "are created once")
-            try:
-                spec = SandboxSpec(source_dir=task.source_dir, image=task.image,
-                                   limits=self.settings.limits)
-                lease = await self.provider.acquire(spec)
-            except Exception as exc:
-                self._open_error = exc
-                raise
-            try:
-                await self._copy_visible_tests(lease, task)
-            except BaseException as exc:
-                await self.provider.release(lease)
-                if isinstance(exc, Exception):
-                    self._open_error = exc
-                raise
-            self.lease = lease
+        """Acquire the sandbox for `task` and copy its visible tests in."""
+        if self.lease is not None or self._closed:
+            raise RuntimeError("a sandbox session is opened once per trajectory")
+        spec = SandboxSpec(source_dir=task.source_dir, image=task.image,
+                           limits=self.settings.limits)
+        lease = await self.provider.acquire(spec)
+        try:
+            await self._copy_visible_tests(lease, task)
+        except BaseException:
+            await self.provider.release(lease)
+            raise
+        self.lease = lease
 
     async def _copy_visible_tests(self, lease: SandboxLease, task: Task) -> None:
         if task.visible_tests is None:
@@ -229,20 +187,17 @@ class SandboxSession:
         await self.provider.checkpoint(lease)
         self.has_visible_tests = True
 
-    async def detach(self) -> None:
-        """A tool is done; the last one captures the final workspace and releases the
-        sandbox."""
-        self._num_attached -= 1
-        if self._num_attached > 0:
-            return
+    async def close(self) -> WorkspaceChanges | None:
+        """Capture the final workspace and return the sandbox; None if it was never
+        opened. Later calls return None: the sandbox is released exactly once."""
         self._closed = True
-        async with self._lock:
-            lease, self.lease = self.lease, None
-            if lease is not None:
-                try:
-                    self.final_workspace = await self._capture(lease)
-                finally:
-                    await self.provider.release(lease)
+        lease, self.lease = self.lease, None
+        if lease is None:
+            return None
+        try:
+            return await self._capture(lease)
+        finally:
+            await self.provider.release(lease)
 
     async def _capture(self, lease: SandboxLease) -> WorkspaceChanges:
         try:
@@ -258,7 +213,8 @@ class SandboxSession:
 
     def _open_lease(self) -> SandboxLease:
         if self.lease is None:
-            raise ValueError("the sandbox is not open; the tool's create(task) must run first")
+            raise ValueError("the sandbox is not open (the trajectory's environment opens it "
+                             "before the first turn, and closes it when the trajectory ends)")
         return self.lease
 
     async def exec(self, cmd: str | list[str], stdin: str | None = None) -> ExecResult:
@@ -324,19 +280,19 @@ def _numbered(lines: Sequence[str], first_line: int) -> str:
 
 
 class _SandboxTool:
-    """Shared lifecycle of the tools that work in the session's sandbox; subclasses set
+    """Shared base of the tools that work in the trajectory's sandbox; subclasses set
     `name` and `schema` and implement `_run`. Expected failures (bad paths, missing
     files, a sandbox that is gone) become error results the model can act on."""
 
     name: ClassVar[str]
     schema: ClassVar[dict[str, Any]]
+    needs_sandbox: ClassVar[bool] = True
 
-    def __init__(self, session: SandboxSession) -> None:
-        self.session = session
-        session.attach(self.name)
-
-    async def create(self, task: Task) -> None:
-        await self.session.open(task)
+    def __init__(self, env: "TrajectoryEnv") -> None:
+        if env.sandbox is None:
+            raise ValueError(f"tool {self.name!r} needs a sandbox, and this trajectory's "
+                             "environment has none (no sandbox pool was given)")
+        self.session = env.sandbox
 
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
         try:
@@ -346,18 +302,6 @@ class _SandboxTool:
 
     async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
         raise NotImplementedError
-
-    async def calc_reward(self) -> float | None:
-        return None
-
-    async def release(self) -> None:
-        await self.session.detach()
-
-    @property
-    def final_workspace(self) -> WorkspaceChanges | None:
-        """The session's captured workspace once its last tool was released (see the
-        module docstring); None before, or when no sandbox was opened."""
-        return self.session.final_workspace
 
 
 class BashTool(_SandboxTool):
@@ -506,88 +450,8 @@ class SubmitTool:
     schema = function_schema("submit", "Submit your work and end the task. Call it once you "
                              "are done; nothing can be changed afterwards.", {})
 
-    def __init__(self, session: SandboxSession | None = None) -> None:
-        pass  # takes the session like the other sandbox tools, and ignores it
-
-    async def create(self, task: Task) -> None:
+    def __init__(self, env: "TrajectoryEnv | None" = None) -> None:
         pass
 
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
         return ToolResult("Submitted.", ends_trajectory=True)
-
-    async def calc_reward(self) -> float | None:
-        return None
-
-    async def release(self) -> None:
-        pass
-
-
-# Built-in sandbox tools by name; a recipe or task names them, and a custom one is any
-# class constructed as `cls(session)` that satisfies the Tool protocol.
-SANDBOX_TOOLS: dict[str, str] = {
-    "bash": "envs.tools.sandbox_tools:BashTool",
-    "python": "envs.tools.sandbox_tools:PythonTool",
-    "read_file": "envs.tools.sandbox_tools:ReadFileTool",
-    "write_file": "envs.tools.sandbox_tools:WriteFileTool",
-    "str_replace": "envs.tools.sandbox_tools:StrReplaceTool",
-    "run_tests": "envs.tools.sandbox_tools:RunTestsTool",
-    "submit": "envs.tools.sandbox_tools:SubmitTool",
-}
-
-SandboxToolClass = Callable[[SandboxSession], Tool]
-
-
-def load_sandbox_tool(import_string: str) -> SandboxToolClass:
-    cls = resolve_plugin("tool", import_string)
-    if not callable(cls):
-        raise ValueError(f"sandbox tool {import_string!r} is not 'package.module:Class'")
-    return cls
-
-
-def _resolve(names: Sequence[str] | None,
-             registry: Mapping[str, str]) -> dict[str, SandboxToolClass]:
-    names = tuple(registry) if names is None else tuple(names)
-    unknown = sorted(set(names) - set(registry))
-    if unknown:
-        raise ValueError(f"unknown sandbox tools {unknown}; known: {sorted(registry)}")
-    return {name: load_sandbox_tool(registry[name]) for name in names}
-
-
-class SessionBinder:
-    """Gives the tools built in one asyncio task (one trajectory) one SandboxSession."""
-
-    def __init__(self, provider: SandboxProvider, settings: SandboxToolSettings) -> None:
-        self.provider = provider
-        self.settings = settings
-        # One variable per binder, so two workers in one process never share sessions.
-        self._current: contextvars.ContextVar[SandboxSession | None] = contextvars.ContextVar(
-            f"sandbox_session_{id(self)}", default=None)
-
-    def session_for(self, tool_name: str) -> SandboxSession:
-        session = self._current.get()
-        if session is None or not session.accepts(tool_name):
-            session = SandboxSession(self.provider, self.settings)
-            self._current.set(session)
-        return session
-
-
-def build_sandbox_tool_factories(provider: SandboxProvider, settings: SandboxToolSettings,
-                                 names: Sequence[str] | None = None,
-                                 registry: Mapping[str, str] = SANDBOX_TOOLS
-                                 ) -> dict[str, ToolFactory]:
-    """Factories for the worker's `tool_factories`: the tools that one trajectory builds
-    share one sandbox (all of `registry` when `names` is None)."""
-    binder = SessionBinder(provider, settings)
-
-    def factory_of(name: str, cls: SandboxToolClass) -> ToolFactory:
-        return lambda: cls(binder.session_for(name))
-
-    return {name: factory_of(name, cls) for name, cls in _resolve(names, registry).items()}
-
-
-def build_sandbox_tools(provider: SandboxProvider, settings: SandboxToolSettings,
-                        names: Sequence[str] | None = None,
-                        registry: Mapping[str, str] = SANDBOX_TOOLS) -> dict[str, Tool]:
-    """One trajectory's tools over one new session, for code that builds tools itself."""
-    session = SandboxSession(provider, settings)
-    return {name: cls(session) for name, cls in _resolve(names, registry).items()}

@@ -13,6 +13,8 @@ import pytest
 
 from envs.tools.base import ToolResult, function_schema
 from envs.tools.calculator import CalculatorTool
+from envs.trajectory_env import EnvBuilder
+from reward.loop import RewardLoop
 from rollout.agent_loop import LoopSettings, ToolAgentLoop, load_agent_loop
 from rollout.chat import build_continuity_builder, check_continuity
 from rollout.engine import TokenOutput
@@ -67,10 +69,8 @@ class EchoTool:
     name = "echo"
     schema = function_schema("echo", "Repeat text.", {"text": {"type": "string"}}, ("text",))
 
-    def __init__(self) -> None:
-        self.released = False
-
-    async def create(self, task): pass
+    def __init__(self, env=None) -> None:
+        pass
 
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
         if arguments["text"] == "boom":
@@ -81,9 +81,11 @@ class EchoTool:
             return ToolResult("submitted", ends_trajectory=True)
         return ToolResult(arguments["text"])
 
-    async def calc_reward(self): return None
 
-    async def release(self): self.released = True
+def exact_match(tokenizer) -> RewardLoop:
+    """The reward loop of a test worker: ExactMatch on the decoded final turn."""
+    return RewardLoop("exact_match", lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                      timeout_s=30.0, max_concurrency=8)
 
 
 def call(name: str, **args) -> str:
@@ -93,7 +95,7 @@ def call(name: str, **args) -> str:
 
 
 TASK = Task("t0", (Message("system", "Use tools."), Message("user", "Compute 2+3.")),
-            tools=("echo", "calculator"))
+            tools=("echo", "calculator"), answer="5")
 
 
 def make_worker(tokenizer, script, *, max_turns=4, max_response_tokens=600, max_context=1024,
@@ -105,8 +107,8 @@ def make_worker(tokenizer, script, *, max_turns=4, max_response_tokens=600, max_
     worker = AgentLoopWorker(default_loop=default_loop, settings=settings,
                              chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
                              router=Router({"e0": engine}),
-                             tool_factories={"echo": EchoTool, "calculator": CalculatorTool},
-                             trajectory_timeout_s=traj_timeout_s)
+                             envs=EnvBuilder({"echo": EchoTool, "calculator": CalculatorTool}),
+                             rewards=exact_match(tokenizer), trajectory_timeout_s=traj_timeout_s)
     return worker, engine
 
 
@@ -221,7 +223,7 @@ async def test_exceptions_become_error_trajectories_and_user_loops_load(tokenize
     for t in group.trajectories:
         assert t.termination is TerminationReason.ERROR and "KeyError: 'user bug'" in t.termination_detail
         assert t.num_model_tokens > 0  # what it generated before failing is kept
-    per_task = Task("t1", TASK.messages, agent_loop=f"{__name__}:CountingLoop")
+    per_task = Task("t1", TASK.messages, agent_loop=f"{__name__}:CountingLoop", answer="5")
     t = await worker.run_trajectory(per_task, "g2", 0)
     assert t.termination is TerminationReason.FINISHED and t.termination_detail == "counting loop"
     assert worker.stats().end_reasons == {"error": 2, "finished": 1}

@@ -1,5 +1,7 @@
-"""Sandbox tools without a sandbox: observation truncation and rendering, and how the
-tools of one trajectory come to share one session (over a fake in-memory provider)."""
+"""Sandbox tools without a sandbox: observation truncation and rendering, and the
+per-trajectory environment (envs.trajectory_env): one sandbox per trajectory shared by its
+tools, opened once and released once with its final workspace captured (over a fake
+in-memory provider)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import pytest
 
 from envs.pool import SANDBOX_FAULT_EXIT_CODE, SandboxLease
 from envs.sandbox.base import ExecResult, SandboxSpec
-from envs.tools.sandbox_tools import (SANDBOX_TOOLS, SandboxToolSettings, approx_token_count,
-                                      build_sandbox_tool_factories, build_sandbox_tools,
-                                      load_sandbox_tool, render_exec_result, truncate_observation,
-                                      workspace_relative)
+from envs.plugins import BUILTINS, resolve_plugin
+from envs.tools.base import ToolResult, check_tool_class, function_schema
+from envs.tools.sandbox_tools import (SandboxToolSettings, approx_token_count, render_exec_result,
+                                      truncate_observation, workspace_relative)
+from envs.trajectory_env import EnvBuilder, TrajectoryEnv, load_tool_classes
 from envs.types import Message, Task, WorkspaceChanges
 
 MARKER = re.compile(r"\n\[\.\.\. (\d+) tokens cut \.\.\.\]\n")
@@ -132,120 +135,91 @@ class FakeProvider:
         return WorkspaceChanges(written=dict(files))
 
 
-async def run_like_the_worker(factories: dict, task: Task, marker: str) -> str:
-    """What AgentLoopWorker.run_trajectory does with tools, in the caller's task."""
-    tools = {name: factories[name]() for name in task.tools}
-    await asyncio.gather(*(t.create(task) for t in tools.values()))
+def builder(provider: "FakeProvider | None", settings: SandboxToolSettings | None = None,
+            extra: dict[str, str] | None = None) -> EnvBuilder:
+    return EnvBuilder(load_tool_classes(extra), provider, settings or SandboxToolSettings())
+
+
+async def run_like_the_worker(envs: EnvBuilder, task: Task, marker: str) -> str:
+    """What AgentLoopWorker.run_trajectory does with a trajectory's environment."""
+    env = envs.build(task)
+    await env.open()
     try:
-        await tools["write_file"].execute({"path": marker, "content": marker})
-        return (await tools["bash"].execute({"command": "ls"})).text
+        await env.tools["write_file"].execute({"path": marker, "content": marker})
+        return (await env.tools["bash"].execute({"command": "ls"})).text
     finally:
-        await asyncio.gather(*(t.release() for t in tools.values()))
+        await env.release()
 
 
 async def test_concurrent_trajectories_get_one_sandbox_each_shared_by_their_tools() -> None:
     provider = FakeProvider()
-    factories = build_sandbox_tool_factories(provider, SandboxToolSettings())
     task = Task("t", TASK.messages, tools=("bash", "write_file", "read_file", "submit"))
-    outputs = await asyncio.gather(*(run_like_the_worker(factories, task, f"m{i}")
+    outputs = await asyncio.gather(*(run_like_the_worker(builder(provider), task, f"m{i}")
                                      for i in range(5)))
     # Each trajectory's bash sees exactly the file its own write_file wrote.
     assert outputs == [f"exit code: 0\nstdout:\nm{i}\nstderr: (empty)" for i in range(5)]
     assert (provider.num_acquires, provider.num_releases) == (5, 5)
 
 
-async def test_concurrent_trajectories_with_disjoint_tools_do_not_share() -> None:
-    # Built back to back before either opens: only the per-task ContextVar tells them apart.
+async def test_trajectories_one_after_another_get_their_own_sandbox() -> None:
     provider = FakeProvider()
-    factories = build_sandbox_tool_factories(provider, SandboxToolSettings())
-
-    async def trajectory(names: tuple[str, ...]) -> None:
-        task = Task("t", TASK.messages, tools=names)
-        tools = {name: factories[name]() for name in task.tools}
-        await asyncio.gather(*(t.create(task) for t in tools.values()))
-        await asyncio.gather(*(t.release() for t in tools.values()))
-
-    await asyncio.gather(trajectory(("bash", "python")), trajectory(("read_file", "write_file")))
-    assert (provider.num_acquires, provider.num_releases) == (2, 2)
-
-
-async def test_trajectories_run_one_after_another_in_one_task_do_not_share() -> None:
-    provider = FakeProvider()
-    factories = build_sandbox_tool_factories(provider, SandboxToolSettings())
+    envs = builder(provider)
     task = Task("t", TASK.messages, tools=("bash", "write_file"))
-    first = await run_like_the_worker(factories, task, "first")
-    second = await run_like_the_worker(factories, task, "second")
+    first = await run_like_the_worker(envs, task, "first")
+    second = await run_like_the_worker(envs, task, "second")
     assert first.endswith("stdout:\nfirst\nstderr: (empty)")
     assert second.endswith("stdout:\nsecond\nstderr: (empty)")
     assert (provider.num_acquires, provider.num_releases) == (2, 2)
 
 
-async def test_the_sandbox_is_released_with_the_last_tool() -> None:
+async def test_release_captures_the_workspace_once_and_returns_the_sandbox_once() -> None:
     provider = FakeProvider()
-    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["bash", "read_file"])
-    await asyncio.gather(*(t.create(TASK) for t in tools.values()))
-    await tools["bash"].release()
-    assert provider.num_releases == 0
-    await tools["read_file"].release()
+    env = builder(provider).build(Task("t", TASK.messages, tools=("write_file", "bash", "submit")))
+    await env.open()
+    await env.tools["write_file"].execute({"path": "fix.txt", "content": "done"})
+    captured = await env.release()
+    assert captured is not None and captured.written == {"fix.txt": b"done"} and not captured.problem
+    assert await env.release() is captured  # a second release changes nothing
     assert (provider.num_acquires, provider.num_releases) == (1, 1)
-
-
-async def test_the_last_release_captures_the_workspace_before_returning_the_sandbox() -> None:
-    provider = FakeProvider()
-    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["write_file", "bash", "submit"])
-    await asyncio.gather(*(t.create(TASK) for t in tools.values()))
-    await tools["write_file"].execute({"path": "fix.txt", "content": "done"})
-    await tools["write_file"].release()
-    assert tools["bash"].final_workspace is None  # the sandbox is still in use
-    await asyncio.gather(tools["bash"].release(), tools["submit"].release())
-    assert provider.num_releases == 1
-    captured = tools["bash"].final_workspace
-    assert captured is tools["write_file"].final_workspace  # one capture per session
-    assert captured.written == {"fix.txt": b"done"} and captured.problem == ""
+    result = await env.tools["bash"].execute({"command": "ls"})
+    assert result.is_error and "not open" in result.text  # the sandbox is gone for good
 
 
 async def test_a_failed_capture_is_recorded_and_the_sandbox_still_released() -> None:
     provider = FakeProvider(fail_capture=True)
-    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["bash"])
-    await tools["bash"].create(TASK)
-    await tools["bash"].release()
+    env = builder(provider).build(Task("t", TASK.messages, tools=("bash",)))
+    await env.open()
+    captured = await env.release()
     assert provider.num_releases == 1
-    captured = tools["bash"].final_workspace
     assert captured.written == {} and "ConnectionError: the pool actor is gone" in captured.problem
 
 
 async def test_changes_over_the_cap_come_back_as_a_problem() -> None:
     provider = FakeProvider()
-    tools = build_sandbox_tools(provider, SandboxToolSettings(max_workspace_changes_bytes=3),
-                                ["write_file"])
-    await tools["write_file"].create(TASK)
-    await tools["write_file"].execute({"path": "big.txt", "content": "four"})
-    await tools["write_file"].release()
-    assert tools["write_file"].final_workspace.problem == "over the cap"
+    env = builder(provider, SandboxToolSettings(max_workspace_changes_bytes=3)).build(
+        Task("t", TASK.messages, tools=("write_file",)))
+    await env.open()
+    await env.tools["write_file"].execute({"path": "big.txt", "content": "four"})
+    assert (await env.release()).problem == "over the cap"
 
 
-async def test_a_failed_acquire_fails_every_create_and_leaks_nothing() -> None:
+async def test_a_failed_acquire_fails_the_open_and_leaks_nothing() -> None:
     provider = FakeProvider(fail_acquire=True)
-    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["bash", "read_file"])
-    results = await asyncio.gather(*(t.create(TASK) for t in tools.values()),
-                                   return_exceptions=True)
-    assert all(isinstance(r, OSError) for r in results)
-    result = await tools["bash"].execute({"command": "ls"})
-    assert result.is_error and "not open" in result.text
-    await asyncio.gather(*(t.release() for t in tools.values()))
+    env = builder(provider).build(Task("t", TASK.messages, tools=("bash", "read_file")))
+    with pytest.raises(OSError):
+        await env.open()
+    assert await env.release() is None  # no sandbox, nothing to grade
     assert provider.num_releases == 0
-    assert tools["bash"].final_workspace is None  # no sandbox, nothing to grade
 
 
-async def test_submit_alone_needs_no_sandbox_and_ends_the_trajectory() -> None:
+async def test_tools_without_a_sandbox_get_none() -> None:
     provider = FakeProvider()
-    factories = build_sandbox_tool_factories(provider, SandboxToolSettings(), ["submit"])
-    submit = factories["submit"]()
-    await submit.create(TASK)
-    result = await submit.execute({})
+    env = builder(provider).build(Task("t", TASK.messages, tools=("submit", "calculator")))
+    await env.open()
+    assert env.sandbox is None
+    result = await env.tools["submit"].execute({})
     assert result.ends_trajectory and not result.is_error
-    await submit.release()
-    assert provider.num_acquires == 0
+    assert await env.release() is None and provider.num_acquires == 0
 
 
 async def test_visible_tests_are_copied_and_checkpointed_but_hidden_ones_are_refused(
@@ -255,25 +229,64 @@ async def test_visible_tests_are_copied_and_checkpointed_but_hidden_ones_are_ref
     (visible / "test_a.py").write_text("# visible\n")
     (hidden / "test_secret.py").write_text("# hidden\n")
     provider = FakeProvider()
-    leaky = Task("t", TASK.messages, visible_tests=str(visible), hidden_tests=str(hidden))
-    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["run_tests"])
+    envs = builder(provider)
+    leaky = Task("t", TASK.messages, tools=("run_tests",), visible_tests=str(visible),
+                 hidden_tests=str(hidden))
     with pytest.raises(ValueError, match="hidden_tests lies inside visible_tests"):
-        await tools["run_tests"].create(leaky)
+        await envs.build(leaky).open()
     (hidden / "test_secret.py").unlink()
     hidden.rmdir()
-    tools = build_sandbox_tools(provider, SandboxToolSettings(), ["run_tests"])
-    await tools["run_tests"].create(Task("t", TASK.messages, visible_tests=str(visible)))
+    env = envs.build(Task("t", TASK.messages, tools=("run_tests",), visible_tests=str(visible)))
+    await env.open()
     lease_files = next(iter(provider.files.values()))
     assert lease_files == {"visible_tests/test_a.py": b"# visible\n"}
     assert provider.num_checkpoints == 1
-    await tools["run_tests"].release()
-    assert provider.num_releases == 2  # the refused session gave its sandbox back too
+    await env.release()
+    assert provider.num_releases == 2  # the refused open gave its sandbox back too
 
 
-def test_the_registry_names_match_the_tools_and_unknown_names_fail() -> None:
-    for name, path in SANDBOX_TOOLS.items():
-        cls = load_sandbox_tool(path)
+def test_every_builtin_tool_meets_the_contract_under_its_name() -> None:
+    for name, path in BUILTINS["tool"].items():
+        cls = resolve_plugin("tool", path)
+        check_tool_class(name, cls)
         assert cls.name == name and cls.schema["function"]["name"] == name
         assert cls.schema["function"]["parameters"]["additionalProperties"] is False
-    with pytest.raises(ValueError, match="unknown sandbox tools"):
-        build_sandbox_tool_factories(FakeProvider(), SandboxToolSettings(), ["bash", "rm_rf"])
+
+
+class ShoutTool:
+    """A user tool: registered from a recipe (envs.tools), built per trajectory."""
+
+    name = "shout"
+    schema = function_schema("shout", "Upper-case a text.", {"text": {"type": "string"}}, ("text",))
+
+    def __init__(self, env: TrajectoryEnv) -> None:
+        self.task_id = env.task.id
+
+    async def execute(self, arguments):
+        return ToolResult(f"{self.task_id}: {arguments['text'].upper()}")
+
+
+async def test_a_recipe_registers_its_own_tool_and_bad_entries_name_the_key() -> None:
+    envs = builder(None, extra={"shout": f"{__name__}:ShoutTool"})
+    env = envs.build(Task("t7", TASK.messages, tools=("shout", "calculator")))
+    await env.open()
+    assert (await env.tools["shout"].execute({"text": "hi"})).text == "t7: HI"
+    with pytest.raises(ValueError, match=r"envs.tools.bad: .*cannot import 'no_such.module'"):
+        load_tool_classes({"bad": "no_such.module:Tool"})
+    with pytest.raises(ValueError, match=r"envs.tools.half: .*needs `async def execute"):
+        load_tool_classes({"half": f"{__name__}:NotATool"})
+
+
+class NotATool:
+    name = "half"
+    schema = function_schema("half", "x", {})
+
+    def execute(self, arguments):  # not async
+        return ToolResult("x")
+
+
+def test_unknown_tools_and_sandbox_tools_without_a_pool_fail_before_any_trajectory() -> None:
+    with pytest.raises(ValueError, match=r"unknown tools \['rm_rf'\].*envs.tools"):
+        builder(FakeProvider()).check_task(Task("t", TASK.messages, tools=("bash", "rm_rf")))
+    with pytest.raises(ValueError, match="uses sandbox tools \\['bash'\\] but this worker has no sandbox"):
+        builder(None).check_task(Task("t", TASK.messages, tools=("bash", "submit")))

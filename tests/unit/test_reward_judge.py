@@ -169,14 +169,16 @@ async def test_reward_loop_hands_the_judge_to_the_reward_fn() -> None:
     assert (await _loop(judge).score(traj(), TASK)).reward == 1.0
     assert "<answer>\nAnswer: 42\n</answer>" in judge.calls[0][0][1].content
     with pytest.raises(ValueError, match="reward.judge.enabled=true"):
-        await _loop(None).score(traj(), TASK)
+        await _loop(None).compute(traj(), TASK, None)
+    failed = await _loop(None).score(traj(), TASK)  # the trajectory fails, the worker does not
+    assert failed.termination.value == "error" and "reward.judge.enabled=true" in failed.termination_detail
 
 
 async def test_a_slow_judge_times_out_through_the_reward_loop() -> None:
     judge = FakeJudgeClient("SCORE: 1", delay_s=30.0)
     loop = _loop(judge, timeout_s=0.05)
     result = await loop.score(traj(), TASK)
-    assert result.reward == 0.0 and result.components == {"timeout": 1.0}
+    assert result.reward == 0.0 and result.reward_components == {"timeout": 1.0}
     assert loop.num_timeouts == 1 and judge.cancelled == 1 and judge.in_flight == 0
 
 

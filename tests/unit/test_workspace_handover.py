@@ -1,7 +1,8 @@
 """The agent's final workspace on its way to grading, without sandboxes: the capture's
-size cap, the worker putting the capture on the Trajectory whatever the ending (and
-nothing for tasks without a sandbox), the reward loop handing it to the RewardFn and
-dropping it once scored, and HiddenTests scoring an uncaptured workspace 0.
+size cap, the worker handing the capture straight to its reward function whatever the
+ending (and nothing for tasks without a sandbox) without ever putting it on the
+Trajectory, a failing reward function failing only its trajectory, and HiddenTests
+scoring an uncaptured workspace 0.
 The same path with real sandboxes and real grading: tests/integration/test_workspace_grading.py."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from test_agent_loop import ScriptedEngine, call
 from test_pool_tool_sessions import FakeProvider
 
 from envs.sandbox.base import Snapshot
-from envs.tools.sandbox_tools import SandboxToolSettings, build_sandbox_tool_factories
-from reward.base import RewardContext
+from envs.tools.sandbox_tools import SandboxToolSettings
+from envs.trajectory_env import EnvBuilder, load_tool_classes
+from reward.base import RewardContext, RewardResult
 from reward.loop import RewardLoop
 from reward.tests import HiddenTests
 from reward.workspace import WorkspaceChanges, changes_from_dir, changes_from_snapshot
@@ -26,7 +28,7 @@ from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
 from rollout.recorder import Budgets
 from rollout.router import Router
-from envs.types import Group, Message, Task, TerminationReason, Trajectory
+from envs.types import Message, Task, TerminationReason, Trajectory
 from rollout.worker import AgentLoopWorker
 
 
@@ -89,24 +91,43 @@ class FailingEngine(ScriptedEngine):
         return await super().generate(request_id, prompt_ids, sampling)
 
 
+class RecordingReward:
+    """A RewardFn that keeps the workspace it was handed (and can be told to raise)."""
+
+    seen: list = []
+    raise_for: set = set()
+
+    async def __call__(self, trajectory, task, ctx: RewardContext) -> RewardResult:
+        RecordingReward.seen.append(ctx.workspace)
+        if trajectory.index in RecordingReward.raise_for:
+            raise KeyError("reward bug")
+        return RewardResult(1.0, {"graded": 1.0})
+
+
 def sandbox_worker(tokenizer, engine, provider: FakeProvider,
                    timeout_s: float = 10.0) -> AgentLoopWorker:
     settings = LoopSettings(budgets=Budgets(4096, 3000, 160), max_turns=4,
                             max_tool_calls_per_turn=2, tool_timeout_s=5.0)
+    rewards = RewardLoop(f"{__name__}:RecordingReward", lambda ids: "", timeout_s=30.0,
+                         max_concurrency=4)
     return AgentLoopWorker(default_loop="rollout.agent_loop:ToolAgentLoop", settings=settings,
                            chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
                            router=Router({"e0": engine}),
-                           tool_factories=build_sandbox_tool_factories(provider,
-                                                                       SandboxToolSettings()),
-                           trajectory_timeout_s=timeout_s)
+                           envs=EnvBuilder(load_tool_classes(), provider, SandboxToolSettings()),
+                           rewards=rewards, trajectory_timeout_s=timeout_s)
 
 
 SANDBOX_TASK = Task("fix", (Message("user", "Fix it."),), tools=("write_file", "bash", "submit"))
 WRITE = call("write_file", path="fix.py", content="ok")
 
 
+@pytest.fixture(autouse=True)
+def fresh_recording():
+    RecordingReward.seen, RecordingReward.raise_for = [], set()
+
+
 @pytest.mark.parametrize("ending", ["finished", "error", "timeout"])
-async def test_the_worker_hands_over_the_final_workspace_whatever_the_ending(
+async def test_the_worker_grades_the_final_workspace_whatever_the_ending(
         tokenizer, ending: str) -> None:
     provider = FakeProvider()
     if ending == "finished":
@@ -117,26 +138,37 @@ async def test_the_worker_hands_over_the_final_workspace_whatever_the_ending(
     group = await worker.run_group(SANDBOX_TASK, "g", 2)
     for trajectory in group.trajectories:
         assert trajectory.termination.value == ending, trajectory.termination_detail
-        assert trajectory.workspace is not None
-        assert trajectory.workspace.written == {"fix.py": b"ok"}
+        assert trajectory.reward == 1.0
+        assert not hasattr(trajectory, "workspace")  # never on the Trajectory
+    assert [w.written for w in RecordingReward.seen] == [{"fix.py": b"ok"}] * 2
     assert (provider.num_acquires, provider.num_releases) == (2, 2)
 
 
-async def test_trajectories_without_a_sandbox_carry_no_workspace(tokenizer) -> None:
+async def test_trajectories_without_a_sandbox_are_graded_without_a_workspace(tokenizer) -> None:
     provider = FakeProvider()
     engine = ScriptedEngine(tokenizer, [call("submit")])  # submit alone opens no sandbox
-    group = await sandbox_worker(tokenizer, engine, provider).run_group(
+    await sandbox_worker(tokenizer, engine, provider).run_group(
         Task("toy", (Message("user", "2+3?"),), tools=("submit",)), "g", 2)
-    assert [t.workspace for t in group.trajectories] == [None, None]
-    assert provider.num_acquires == 0
+    assert RecordingReward.seen == [None, None] and provider.num_acquires == 0
 
 
-# --- the reward loop and HiddenTests ----------------------------------------------
+async def test_a_failing_reward_fails_its_trajectory_only(tokenizer) -> None:
+    RecordingReward.raise_for = {1}
+    engine = ScriptedEngine(tokenizer, [WRITE, call("submit")])
+    group = await sandbox_worker(tokenizer, engine, FakeProvider()).run_group(SANDBOX_TASK, "g", 3)
+    ends = [t.termination for t in group.trajectories]
+    assert ends == [TerminationReason.FINISHED, TerminationReason.ERROR, TerminationReason.FINISHED]
+    failed = group.trajectories[1]
+    assert failed.reward == 0.0 and failed.reward_components == {"reward_error": 1.0}
+    assert "RecordingReward raised KeyError: 'reward bug'" in failed.termination_detail
 
-def trajectory(index: int, workspace: WorkspaceChanges | None) -> Trajectory:
+
+# --- HiddenTests ------------------------------------------------------------------
+
+def trajectory(index: int) -> Trajectory:
     return Trajectory(task_id="fix", group_id="g", index=index, prompt_ids=[1],
                       response_ids=[2], response_mask=[1], logprobs=[-0.5], versions=[0],
-                      termination=TerminationReason.FINISHED, workspace=workspace)
+                      termination=TerminationReason.FINISHED)
 
 
 async def test_hidden_tests_score_an_uncaptured_workspace_zero_without_grading(
@@ -149,24 +181,20 @@ async def test_hidden_tests_score_an_uncaptured_workspace_zero_without_grading(
 
     ctx = RewardContext(workspace=WorkspaceChanges(problem="over the cap"),
                         create_sandbox=no_sandbox)
-    result = await HiddenTests()(trajectory(0, None), task, ctx)
+    result = await HiddenTests()(trajectory(0), task, ctx)
     assert result.reward == 0.0 and result.components["workspace_error"] == 1.0
     assert "over the cap" in result.detail
 
 
-async def test_the_reward_loop_passes_the_workspace_and_drops_it_once_scored(
-        tmp_path: Path) -> None:
+async def test_the_reward_loop_passes_the_workspace_to_the_task_reward_fn(tmp_path: Path) -> None:
     task = Task("fix", (Message("user", "Fix it."),), source_dir=str(tmp_path),
                 fail_to_pass=("test_fix.py::test_it",), reward_fn="reward.tests:HiddenTests")
     loop = RewardLoop("reward.rules:ExactMatch", lambda ids: "", timeout_s=30.0,
                       max_concurrency=2)
     # HiddenTests only answers without a grading sandbox when it was given this workspace.
     problem = WorkspaceChanges(problem="the final workspace could not be captured")
-    group = Group("fix", "g", (trajectory(0, problem), trajectory(1, problem)))
-    scored = await loop.score_group(group, task)
-    assert [t.reward for t in scored.trajectories] == [0.0, 0.0]
-    assert all(t.reward_components["workspace_error"] == 1.0 for t in scored.trajectories)
-    assert all(t.workspace is None for t in scored.trajectories)
+    scored = await loop.score(trajectory(0), task, problem)
+    assert scored.reward == 0.0 and scored.reward_components["workspace_error"] == 1.0
 
 
 def test_version_control_and_bytecode_caches_are_not_changes(tmp_path: Path) -> None:

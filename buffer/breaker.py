@@ -1,0 +1,93 @@
+"""The circuit breaker of a run: a failure that repeats for group after group (a plug-in
+that cannot be imported, a task naming an unregistered tool, a reward function that
+raises every time) stops the run with that error instead of retrying forever, and its
+log lines are counted instead of repeated.
+
+A group's failure has a signature: the error with the parts that vary per task (quoted
+names, numbers, paths) masked, so "task 'a' names unknown tools ['x']" and "task 'b'
+names unknown tools ['x']" are the same error. The breaker trips after `threshold`
+consecutive failed groups with one signature, or `3 * threshold` consecutive failed
+groups of any kind (nothing is succeeding). Any group that produced a trainable
+trajectory resets it. Plain Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from envs.types import Group, TerminationReason
+
+log = logging.getLogger(__name__)
+
+_VARYING = [(re.compile(r"'[^']*'|\"[^\"]*\""), "'…'"),  # quoted names and paths
+            (re.compile(r"0x[0-9a-fA-F]+|\d+(\.\d+)?"), "N")]
+FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT)
+
+
+def failure_signature(message: str) -> str:
+    """The error of `message` (its first line) with per-task details masked."""
+    line = (message.strip().splitlines() or [""])[0][:300]
+    for pattern, mask in _VARYING:
+        line = pattern.sub(mask, line)
+    return line
+
+
+def group_failure(group: Group) -> str | None:
+    """The signature of a group in which every trajectory failed (None if one did not)."""
+    if not all(t.termination in FAILED for t in group.trajectories):
+        return None
+    first = group.trajectories[0]
+    return failure_signature(first.termination_detail or first.termination.value)
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatedFailure:
+    signature: str
+    count: int  # consecutive failed groups when the breaker tripped
+    example: str  # one full message of it
+
+    def message(self) -> str:
+        return (f"stopped: {self.count} groups in a row failed ({self.signature}; the limit is "
+                f"buffer.max_repeated_failures):\n  {self.example.strip()}\nFix the cause (often "
+                "a plug-in import string, a task's tool names or a reward function), then resume.")
+
+
+class FailureBreaker:
+    def __init__(self, threshold: int) -> None:
+        if threshold < 1:
+            raise ValueError(f"buffer.max_repeated_failures must be >= 1, got {threshold}")
+        self.threshold = threshold
+        self._streak: Counter[str] = Counter()
+        self._streak_total = 0
+        self._seen: Counter[str] = Counter()  # all-time, for log throttling
+        self._examples: dict[str, str] = {}
+        self.tripped: RepeatedFailure | None = None
+
+    def succeeded(self) -> None:
+        self._streak.clear()
+        self._streak_total = 0
+
+    def failed(self, message: str) -> RepeatedFailure | None:
+        """Count one failed group; the RepeatedFailure once the breaker trips."""
+        sig = failure_signature(message)
+        self._seen[sig] += 1
+        n = self._seen[sig]
+        if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: a repeated error costs log lines in log2(n)
+            log.error("group failed (%d time%s so far): %s", n, "" if n == 1 else "s",
+                      message.strip() if n == 1 else sig)
+        self._streak[sig] += 1
+        self._streak_total += 1
+        if self._streak[sig] == 1:  # the example shown is the first of this streak
+            self._examples[sig] = message
+        if self.tripped is None:
+            if self._streak[sig] >= self.threshold:
+                self.tripped = RepeatedFailure(sig, self._streak[sig], self._examples[sig])
+            elif self._streak_total >= 3 * self.threshold:
+                top = ", ".join(f"{k} (x{v})" for k, v in self._streak.most_common(3))
+                self.tripped = RepeatedFailure("every group fails", self._streak_total,
+                                               f"no group succeeded in the last "
+                                               f"{self._streak_total}; most frequent: {top}")
+        return self.tripped

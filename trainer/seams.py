@@ -1,0 +1,61 @@
+"""The controller's two seams: what it needs of the rollout side and of the trainer side.
+
+The controller is plain asyncio against these Protocols. The Ray adapters live in the thin
+shells (`rollout.worker_actor.RayRollout`, `trainer.train_actor.RayTrainer`); the unit tests
+use in-process stand-ins, and the simulator (launch) plugs simulated parts in here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from buffer.batch import TrainBatch
+from envs.types import Group, Task
+from rollout.engine import EngineStats
+from rollout.worker import WorkerStats
+
+
+@dataclass(frozen=True, slots=True)
+class TrainOutcome:
+    """What one training step reports back: its metrics (loss/*, perf/*), already flat."""
+
+    metrics: Mapping[str, float]
+
+
+class RolloutSide(Protocol):
+    """Agent-loop workers (they run and score groups) and the engines behind them."""
+
+    async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
+        """G trajectories of `task`, scored on the worker that ran them. Raises if the
+        group cannot be run at all (a broken task, a lost worker); cancellable."""
+        ...
+
+    async def close_gates(self) -> None:
+        """Returns once no turn is generating anywhere; new turns wait."""
+        ...
+
+    async def open_gates(self) -> None: ...
+
+    async def worker_stats(self) -> Sequence[WorkerStats]: ...
+
+    async def engine_stats(self) -> Mapping[str, EngineStats]: ...
+
+
+class TrainerSide(Protocol):
+    """The train ranks, and the path from them to the engines."""
+
+    async def train(self, batch: TrainBatch) -> TrainOutcome: ...
+
+    async def push_weights(self, version: int) -> None:
+        """Make the engines serve `version` (the trainer's current weights), verified;
+        raises if any engine did not take them. Called with the turn gates closed."""
+        ...
+
+    def save(self, folder: Path) -> None:
+        """Blocking (the controller calls it from a thread): write the trainer's state."""
+        ...
+
+    def load(self, folder: Path) -> None: ...
