@@ -40,11 +40,11 @@ def load_config(recipe: str | None, overrides: list[str] | tuple[str, ...] = ())
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        layers = [OmegaConf.load(resolve_recipe_path(recipe))] if recipe else []
+        layers = [_load_yaml(resolve_recipe_path(recipe))] if recipe else []
         for item in overrides:
             if "=" not in item or item.startswith("="):
                 raise ConfigError(f"override {item!r} is not of the form key.path=value")
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+            layers.append(_load_override(item))
         merged = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=True) if layers else {}
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot read the recipe: {exc}") from exc
@@ -53,6 +53,48 @@ def load_config(recipe: str | None, overrides: list[str] | tuple[str, ...] = ())
     if not isinstance(merged, dict):
         raise ConfigError(f"a recipe must be a mapping of sections, got {type(merged).__name__}")
     return build_config(merged)
+
+
+def _load_yaml(path: Path) -> Any:
+    """The recipe file as OmegaConf; a YAML syntax error becomes one line
+    `file:line:column: problem`, the place to fix (no traceback)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{_yaml_error(exc, str(path))} (the recipe is not valid YAML)") from None
+
+
+def _load_override(item: str) -> Any:
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as exc:  # the value is parsed as YAML: `a=[1,` fails here
+        raise ConfigError(f"override {item!r}: its value is not valid YAML "
+                          f"({_yaml_error(exc, None)}); quote it or fix the brackets") from None
+
+
+def _yaml_error(exc: Exception, path: str | None) -> str:
+    """`path:line:column: problem (context at line L)` from a PyYAML error."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = ""
+    if mark is not None:
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}: " if path else \
+            f"column {mark.column + 1}: "
+    elif path:
+        where = f"{path}: "
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    extra = ""
+    if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
+        extra = f" ({context} at line {context_mark.line + 1})"
+    elif context:
+        extra = f" ({context})"
+    return f"{where}{problem}{extra}"
 
 
 def build_config(data: dict[str, Any]) -> SluiceConfig:

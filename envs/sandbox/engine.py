@@ -32,6 +32,7 @@ from envs.sandbox.base import WORKSPACE_MOUNT, SandboxLimits
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("install podman (Debian: apt-get install -y podman runc) or give this "
+from envs.owner import owner_tag
                 "host a reachable local docker daemon")
 DEFAULT_IMAGE_REPO = "localhost/sluice-sandbox-host"
 INIT_PATH = "/.sluice-init"  # where the init binary appears inside every container
@@ -82,7 +83,8 @@ def run_engine(engine: ContainerEngine, *args: str, stdin: bytes | None = None,
 def _engine_cwd() -> str:
     """A private working folder for engine commands: conmon writes files such as `oom`
     into its working directory, which must not be the caller's (e.g. a repository)."""
-    path = tempfile.mkdtemp(prefix="sluice-container-engine-")
+    # The owner tag lets envs.reaper delete the folder of a worker killed before atexit.
+    path = tempfile.mkdtemp(prefix=f"sluice-container-engine-{owner_tag()}-")
     atexit.register(shutil.rmtree, path, True)
     return path
 

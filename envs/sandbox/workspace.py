@@ -21,6 +21,7 @@ import tarfile
 import tempfile
 from collections.abc import AsyncIterator, Callable
 
+from envs.owner import owner_tag
 from envs.sandbox.base import SandboxCapabilities, Snapshot, resolve_workspace_path
 from envs.sandbox.hostuid import HostUidLease
 
@@ -135,7 +136,9 @@ def _keep_in_snapshot(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
 
 
 def snapshot(workspace: str, snapshot_dir: str | None) -> Snapshot:
-    fd, tar_path = tempfile.mkstemp(prefix="sluice-snapshot-", suffix=".tar", dir=snapshot_dir)
+    # The owner tag lets envs.reaper delete the tars of a worker that died.
+    fd, tar_path = tempfile.mkstemp(prefix=f"sluice-snapshot-{owner_tag()}-", suffix=".tar",
+                                    dir=snapshot_dir)
     with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
         for name in sorted(os.listdir(workspace)):
             # Symlinks are stored as links, never followed.

@@ -9,6 +9,9 @@
 With fmt="auto" a built-in name picks its set, and a file is read as SWE-bench rows when
 its first row has `instance_id` and `problem_statement`, else as task rows. Parquet
 files are read through `datasets`, imported only then.
+
+`load_tasks` stops at the first problem; `read_tasks` reads on past bad rows and returns
+every problem with the tasks that are fine (start-up validation lists them all at once).
 """
 
 from __future__ import annotations
@@ -40,46 +43,69 @@ FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 def load_tasks(source: str, fmt: str = "auto", *, cache_dir: str | None = None) -> list[Task]:
     """The tasks of `source` read as `fmt` (see the module docstring)."""
+    tasks, problems = read_tasks(source, fmt, cache_dir=cache_dir, max_problems=1)
+    if problems:
+        raise ValueError(problems[0])
+    return tasks
+
+
+def read_tasks(source: str, fmt: str = "auto", *, cache_dir: str | None = None,
+               max_problems: int | None = None) -> tuple[list[Task], list[str]]:
+    """Every task of `source` that reads cleanly, and one message per problem (a bad row,
+    a duplicate id, a missing file); stops after `max_problems` problems (None: never)."""
     if fmt not in FORMATS:
-        raise ValueError(f"task format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+        return [], [f"task format {fmt!r} is unknown; use one of {', '.join(FORMATS)}"]
     cache = cache_dir or str(default_cache_dir())
     if source in BUILTIN_SETS:
         set_fmt, build = BUILTIN_SETS[source]
         if fmt not in ("auto", set_fmt):
-            raise ValueError(f"{source!r} is the built-in {set_fmt!r} set; set "
-                             f"envs.task_format to 'auto' or {set_fmt!r}, not {fmt!r}")
-        tasks = build(cache)
+            return [], [f"{source!r} is the built-in {set_fmt!r} set; set envs.task_format to "
+                        f"'auto' or {set_fmt!r}, not {fmt!r}"]
+        tasks, problems = build(cache), []
     elif fmt in ("toy", "code"):
         names = [n for n, (f, _) in BUILTIN_SETS.items() if f == fmt]
-        raise ValueError(f"task format {fmt!r} is a built-in set: set envs.tasks to "
-                         f"{names[0]!r} (got {source!r})")
+        return [], [f"task format {fmt!r} is a built-in set: set envs.tasks to {names[0]!r} "
+                    f"(got {source!r})"]
     elif not source.endswith(FILE_SUFFIXES):
-        raise ValueError(f"tasks {source!r} is neither a built-in set ({', '.join(BUILTIN_SETS)}) "
-                         f"nor a file ending in {', '.join(FILE_SUFFIXES)}")
+        return [], [f"tasks {source!r} is neither a built-in set ({', '.join(BUILTIN_SETS)}) "
+                    f"nor a file ending in {', '.join(FILE_SUFFIXES)}"]
     else:
-        tasks = _load_file(source, fmt, cache)
-    _check_unique(source, tasks)
-    return tasks
+        tasks, problems = _read_file(source, fmt, cache, max_problems)
+    problems += _duplicate_ids(source, tasks)
+    return tasks, problems[:max_problems]
 
 
-def _load_file(path: str, fmt: str, cache_dir: str) -> list[Task]:
+def _read_file(path: str, fmt: str, cache_dir: str,
+               max_problems: int | None) -> tuple[list[Task], list[str]]:
     tasks: list[Task] = []
+    problems: list[str] = []
     swe: bool | None = None if fmt == "auto" else fmt == "swe"
-    for ref, row in read_rows(path):
-        if swe is None:
-            swe = is_swe_row(row)
-        tasks.append(swe_task_from_row(ref, row, cache_dir) if swe else task_from_row(ref, row))
-    if not tasks:
-        raise ValueError(f"task file {path!r} holds no rows; add one task per line")
-    return tasks
+    try:
+        for ref, row in read_rows(path, on_error=lambda exc: problems.append(str(exc))):
+            if max_problems is not None and len(problems) >= max_problems:
+                break
+            if swe is None:
+                swe = is_swe_row(row)
+            try:
+                tasks.append(swe_task_from_row(ref, row, cache_dir) if swe
+                             else task_from_row(ref, row))
+            except ValueError as exc:
+                problems.append(str(exc))
+    except ValueError as exc:  # the file itself: missing, or parquet that cannot be read
+        problems.append(str(exc))
+    if not tasks and not problems:
+        problems.append(f"task file {path!r} holds no rows; add one task per line")
+    return tasks, problems
 
 
-def _check_unique(source: str, tasks: list[Task]) -> None:
+def _duplicate_ids(source: str, tasks: list[Task]) -> list[str]:
     seen: set[str] = set()
+    problems = []
     for task in tasks:
         if task.id in seen:
-            raise ValueError(f"{source}: task id {task.id!r} appears twice; ids must be unique")
+            problems.append(f"{source}: task id {task.id!r} appears twice; ids must be unique")
         seen.add(task.id)
+    return problems
 
 
-__all__ = ["BUILTIN_SETS", "FORMATS", "load_tasks"]
+__all__ = ["BUILTIN_SETS", "FORMATS", "load_tasks", "read_tasks"]

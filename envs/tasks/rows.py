@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +47,10 @@ class RowRef:
         return ValueError(f"{where}: {problem}")
 
 
-def read_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
-    """The rows of a .jsonl / .json (one object per line) or .parquet file."""
+def read_rows(path: str, on_error: Callable[[ValueError], None] | None = None,
+              ) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
+    """The rows of a .jsonl / .json (one object per line) or .parquet file. A line that is
+    not a JSON object raises, or with `on_error` is handed to it and skipped."""
     if not os.path.isfile(path):
         raise ValueError(f"task file {path!r} does not exist; pass a .jsonl/.parquet path or "
                          "a built-in set name")
@@ -63,11 +65,16 @@ def read_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ref.error(None, f"not valid JSON ({exc.msg} at column {exc.colno}); "
-                                "write one JSON object per line") from None
-            if not isinstance(row, dict):
-                raise ref.error(None, f"is a JSON {type(row).__name__}, not an object")
-            yield ref, _present(row)
+                problem = ref.error(None, f"not valid JSON ({exc.msg} at column {exc.colno}); "
+                                    "write one JSON object per line")
+            else:
+                if isinstance(row, dict):
+                    yield ref, _present(row)
+                    continue
+                problem = ref.error(None, f"is a JSON {type(row).__name__}, not an object")
+            if on_error is None:
+                raise problem
+            on_error(problem)
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
