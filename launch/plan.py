@@ -289,6 +289,8 @@ class Plan:
     inputs: PlanInputs
     node: SandboxNode
     weight_bytes_per_gpu: float
+    dtype_bytes: int  # of weights and KV
+    tp_size: int  # GPUs per rollout engine
     hbm_bytes_per_s: float
     recipe_sandboxes: int  # envs.num_sandbox_workers x envs.sandboxes_per_worker
     sources: tuple[tuple[str, float, str], ...]  # (plan key, derived value, where from)
@@ -382,7 +384,7 @@ def build_plan(cfg: SluiceConfig) -> Plan:
             "envs.cpus_per_sandbox_worker / envs.sandboxes_per_worker"),
         memory_gb_per_sandbox=e.memory_limit_mb / 1024)
     return Plan(inputs=inputs, node=node, weight_bytes_per_gpu=weight_bytes_per_gpu,
-                hbm_bytes_per_s=pc.hbm_bytes_per_s,
+                dtype_bytes=dtype_bytes, tp_size=r.tp_size, hbm_bytes_per_s=pc.hbm_bytes_per_s,
                 recipe_sandboxes=e.num_sandbox_workers * e.sandboxes_per_worker,
                 sources=tuple(sources))
 

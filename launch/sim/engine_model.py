@@ -1,0 +1,391 @@
+"""Engine model: one continuous-batching inference engine under a caller-driven clock.
+
+Time per step follows the seed's accounts:
+- a decode step reads this GPU's share of the weights and of every running sequence's KV
+  from HBM: (weight bytes + running context tokens x KV bytes) / (tp x bandwidth);
+- prefill is compute-bound, 2 FLOPs per parameter per computed token (the planner's formula).
+
+Memory follows vLLM's block pool: the KV pool is cut into blocks of `block_tokens`, a
+request takes the blocks of its whole context and output at admission, and when it ends
+its full blocks stay cached, evictable in LRU order (a request's tail blocks before its
+head), so the next turn of the same trajectory hits whatever of its prefix is still there.
+The first `shared_tokens` of a request (the task prompt that a group's G trajectories
+share) are cached under the task's key, so siblings hit them too.
+
+Simplifications, and why they are small at the seed's scale:
+- prefill runs ahead of decode, one request at a time, with decode paused (vLLM mixes
+  them in chunks; the busy time is the same, a waiting request sees its prefill later or
+  earlier by at most the queue in front of it);
+- blocks for a turn's whole output are taken at admission, so nothing is preempted (the
+  output is ~1% of a 40K context);
+- at least one token of every request is computed, as in vLLM, and only full blocks hit.
+
+Decode is fast-forwarded between events in closed form: with n sequences running, each
+step adds n tokens of KV, so m steps take m*a + b*n*m(m-1)/2 seconds. Events are admissions,
+prefill ends and completions, never single steps, so 80,000 turns simulate in seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from launch.plan import Plan, compute_prefill_s
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine of `tp_size` GPUs: what sets its step times and the size of its KV pool."""
+
+    params_b: float
+    dtype_bytes: int
+    kv_bytes_per_token: int
+    kv_pool_bytes: float  # the whole engine's pool, over all its GPUs
+    tp_size: int = 1
+    hbm_bytes_per_s: float = 2e12  # achieved, per GPU
+    gpu_flops: float = 989e12
+    mfu_prefill: float = 0.5
+    block_tokens: int = 16
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_pool_bytes={self.kv_pool_bytes:g} holds no block of "
+                             f"{self.block_tokens} tokens x {self.kv_bytes_per_token} bytes; "
+                             "raise the KV pool")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_tokens))
+
+    def decode_step_s(self, running_context_tokens: float) -> float:
+        """One decode step over sequences holding `running_context_tokens` of KV in all."""
+        weight_bytes = self.params_b * 1e9 * self.dtype_bytes
+        return (weight_bytes + running_context_tokens * self.kv_bytes_per_token) \
+            / (self.tp_size * self.hbm_bytes_per_s)
+
+    def prefill_s(self, tokens: float) -> float:
+        return compute_prefill_s(self.params_b * 1e9, tokens, self.tp_size, self.gpu_flops,
+                                 self.mfu_prefill)
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One turn's generate call, by sizes: the ids are the agent loop's business."""
+
+    request_id: str
+    session: str  # the trajectory: its turns form one prefix chain
+    context_tokens: int  # tokens sent (everything so far, prompt included)
+    new_tokens: int  # tokens this turn generates (>= 1)
+    shared_key: str | None = None  # the task: its group's trajectories share the prompt
+    shared_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    request_id: str
+    submitted_s: float
+    admitted_s: float  # KV blocks allocated (after waiting for room)
+    first_token_s: float  # prefill done
+    finished_s: float
+    cached_tokens: int
+    prefilled_tokens: int
+    new_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModelStats:
+    """Counters like vLLM's (`vllm:prefix_cache_queries` / `_hits` are token counts)."""
+
+    num_running: int
+    num_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefill_tokens: int
+    generated_tokens: int
+    prefill_busy_s: float
+    decode_busy_s: float
+    num_decode_steps: int
+    kv_used_blocks: int
+    kv_cached_blocks: int
+    kv_total_blocks: int
+    evicted_blocks: int
+
+
+@dataclass(slots=True)
+class _Seq:
+    request: SimRequest
+    submitted_s: float
+    admitted_s: float
+    cached_tokens: int
+    own_blocks: int
+    shared_blocks: int
+    first_token_s: float = 0.0
+    kv_base: int = 0  # KV tokens at global step k are kv_base + k while it runs
+
+
+class EngineModel:
+    """A simulated engine: `submit` and `advance` take the current time, completions come
+    back from `advance`; `next_event_s` says when to call it again if nothing arrives."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._clock = 0.0
+        self._step = 0  # decode steps done so far
+        self._waiting: deque[tuple[SimRequest, float]] = deque()
+        self._prefill_queue: deque[_Seq] = deque()
+        self._prefill_end: float | None = None  # the head of the queue is being prefilled
+        self._running: list[tuple[int, int, _Seq]] = []  # heap of (done step, tiebreak, seq)
+        self._kv_sum_base = 0  # running KV tokens at step k: _kv_sum_base + len(running) x k
+        self._tiebreak = itertools.count()
+        self._done: list[Completion] = []
+        # KV blocks: in use by admitted requests, or cached (evictable, LRU first).
+        self._used = 0
+        self._cache: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._cached_total = 0
+        self._shared_in_use: dict[str, list[int]] = {}  # task -> [blocks, references]
+        self._queries = self._hits = self._prefill_tokens = self._generated = 0
+        self._prefill_busy_s = self._decode_busy_s = 0.0
+        self._evicted = 0
+
+    # --- the interface ---------------------------------------------------------------
+
+    def submit(self, now: float, request: SimRequest) -> None:
+        if request.new_tokens < 1 or request.context_tokens < 1:
+            raise ValueError(f"{request.request_id}: context_tokens and new_tokens must be >= 1")
+        need = math.ceil((request.context_tokens + request.new_tokens) / self.spec.block_tokens)
+        if need > self.spec.num_blocks:
+            raise ValueError(f"{request.request_id} needs {need} KV blocks, the engine has "
+                             f"{self.spec.num_blocks}: raise the KV pool or shorten the context")
+        self._run_until(now)
+        self._waiting.append((request, now))
+        self._admit_waiting()
+        self._run_until(now)
+
+    def advance(self, now: float) -> list[Completion]:
+        """Run the engine up to `now`; the requests finished by then, in order."""
+        self._run_until(now)
+        done, self._done = self._done, []
+        return done
+
+    def next_event_s(self) -> float | None:
+        """When the engine's state next changes by itself (None: idle)."""
+        if self._prefill_end is not None:
+            return self._prefill_end
+        if self._running:
+            return self._clock + self._steps_s(self._steps_to_next_event())
+        return None
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; like vLLM, refuse (False) while requests hold blocks."""
+        if self._used or self._waiting:
+            return False
+        self._cache.clear()
+        self._cached_total = 0
+        return True
+
+    def stats(self) -> EngineModelStats:
+        return EngineModelStats(
+            num_running=len(self._running) + len(self._prefill_queue),
+            num_waiting=len(self._waiting), prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits, prefill_tokens=self._prefill_tokens,
+            generated_tokens=self._generated, prefill_busy_s=self._prefill_busy_s,
+            decode_busy_s=self._decode_busy_s, num_decode_steps=self._step,
+            kv_used_blocks=self._used, kv_cached_blocks=self._cached_total,
+            kv_total_blocks=self.spec.num_blocks, evicted_blocks=self._evicted)
+
+    # --- time ------------------------------------------------------------------------
+
+    def _run_until(self, now: float) -> None:
+        while True:
+            if self._prefill_end is not None:
+                if self._prefill_end > now:
+                    return
+                self._clock = self._prefill_end
+                self._finish_prefill()
+                continue
+            head = self._prefill_queue[0] if self._prefill_queue else None
+            if head is not None and (not self._running or head.admitted_s <= self._clock):
+                self._start_prefill(head)
+                continue
+            if not self._running:
+                self._clock = max(self._clock, now)
+                return
+            m = self._steps_to_next_event()
+            if self._clock + self._steps_s(m) > now:
+                self._decode(self._steps_fitting(now - self._clock))
+                return
+            self._decode(m)
+
+    def _steps_to_next_event(self) -> int:
+        """Decode steps to the next completion, or to the first step boundary at or after
+        a queued admission (prefill waits for the step in progress)."""
+        m = self._running[0][0] - self._step
+        if self._prefill_queue:  # the steps that end before it, then the one in progress
+            m = min(m, max(1, self._steps_fitting(self._prefill_queue[0].admitted_s - self._clock)))
+        return m
+
+    def _steps_s(self, m: int) -> float:
+        """Seconds of the next m decode steps with the running set unchanged."""
+        n = len(self._running)
+        kv_now = self._kv_sum_base + n * self._step
+        per_token = self.spec.decode_step_s(1) - self.spec.decode_step_s(0)
+        return m * self.spec.decode_step_s(kv_now) + per_token * n * m * (m - 1) / 2
+
+    def _steps_fitting(self, seconds: float) -> int:
+        """The most whole decode steps that end within `seconds`."""
+        if seconds <= 0:
+            return 0
+        n = len(self._running)
+        a = self.spec.decode_step_s(self._kv_sum_base + n * self._step)
+        c = (self.spec.decode_step_s(1) - self.spec.decode_step_s(0)) * n / 2
+        m = int(seconds / a) if c == 0 else \
+            int((-(a - c) + math.sqrt((a - c) ** 2 + 4 * c * seconds)) / (2 * c))
+        while self._steps_s(m + 1) <= seconds:  # float rounding of the root
+            m += 1
+        while m > 0 and self._steps_s(m) > seconds:
+            m -= 1
+        return m
+
+    def _decode(self, m: int) -> None:
+        if m <= 0:
+            return
+        seconds = self._steps_s(m)
+        self._clock += seconds
+        self._decode_busy_s += seconds
+        self._step += m
+        self._generated += m * len(self._running)
+        while self._running and self._running[0][0] == self._step:
+            self._finish(heapq.heappop(self._running)[2])
+        self._admit_waiting()
+
+    def _start_prefill(self, seq: _Seq) -> None:
+        start = max(self._clock, seq.admitted_s)
+        tokens = seq.request.context_tokens - seq.cached_tokens
+        self._prefill_tokens += tokens
+        seconds = self.spec.prefill_s(tokens)
+        self._prefill_busy_s += seconds
+        self._clock = start
+        self._prefill_end = start + seconds
+
+    def _finish_prefill(self) -> None:
+        seq = self._prefill_queue.popleft()
+        self._prefill_end = None
+        seq.first_token_s = self._clock
+        self._generated += 1  # the prefill step samples the first token
+        left = seq.request.new_tokens - 1
+        if left == 0:
+            self._finish(seq)
+            self._admit_waiting()
+            return
+        # KV at step k: the context, the first token, and one more per step since joining.
+        seq.kv_base = seq.request.context_tokens + 1 - self._step
+        self._kv_sum_base += seq.kv_base
+        heapq.heappush(self._running, (self._step + left, next(self._tiebreak), seq))
+
+    def _finish(self, seq: _Seq) -> None:
+        r = seq.request
+        self._kv_sum_base -= seq.kv_base  # 0 for a request that never decoded
+        self._done.append(Completion(
+            request_id=r.request_id, submitted_s=seq.submitted_s, admitted_s=seq.admitted_s,
+            first_token_s=seq.first_token_s, finished_s=self._clock,
+            cached_tokens=seq.cached_tokens, prefilled_tokens=r.context_tokens - seq.cached_tokens,
+            new_tokens=r.new_tokens))
+        self._release(seq)
+
+    # --- KV blocks -------------------------------------------------------------------
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and self._try_admit(*self._waiting[0]):
+            self._waiting.popleft()  # FIFO: a request that does not fit holds the others
+
+    def _try_admit(self, r: SimRequest, submitted_s: float) -> bool:
+        if len(self._running) + len(self._prefill_queue) >= self.spec.max_num_seqs:
+            return False
+        bs = self.spec.block_tokens
+        total = math.ceil((r.context_tokens + r.new_tokens) / bs)
+        shared = min(r.shared_tokens, r.context_tokens) // bs if r.shared_key else 0
+        task = r.shared_key or ""
+        shared_key, own_key = ("task", task), ("traj", r.session)
+        in_use = shared > 0 and task in self._shared_in_use
+        shared_cached = self._cache.get(shared_key, 0) if shared and not in_use else 0
+        shared_hit = shared if in_use else min(shared_cached, shared)
+        own_cached = self._cache.get(own_key, 0)
+        # The own blocks continue the shared ones: without the whole shared head they miss.
+        own_hit = min(own_cached, max(0, r.context_tokens // bs - shared)) \
+            if shared_hit == shared else 0
+        need = (total - shared) + (0 if in_use else shared)  # blocks this request adds to use
+        # Cached blocks can always be evicted, so only blocks in use can stand in the way.
+        if self._used + need > self.spec.num_blocks:
+            return False
+        # The reused entries leave the cache (their blocks become this request's), the
+        # stale rest of them is freed; then evict LRU blocks until `need` are free.
+        self._take_from_cache(own_key)
+        if shared_cached:
+            self._take_from_cache(shared_key)
+        self._evict(need - (self.spec.num_blocks - self._used - self._cached_total))
+        self._used += need
+        if in_use:
+            self._shared_in_use[task][1] += 1
+        elif shared:
+            self._shared_in_use[task] = [shared, 1]
+        # vLLM computes at least the last token of the prompt, in whole blocks.
+        cached_tokens = min((shared_hit + own_hit) * bs, (r.context_tokens - 1) // bs * bs)
+        self._queries += r.context_tokens
+        self._hits += cached_tokens
+        self._prefill_queue.append(_Seq(r, submitted_s, max(self._clock, submitted_s),
+                                        cached_tokens, total - shared, shared))
+        return True
+
+    def _take_from_cache(self, key: tuple[str, str]) -> None:
+        self._cached_total -= self._cache.pop(key, 0)
+
+    def _evict(self, blocks: int) -> None:
+        while blocks > 0:
+            key, count = next(iter(self._cache.items()))
+            take = min(count, blocks)
+            # Taking from the count drops the entry's tail blocks: its prefix stays valid.
+            if take == count:
+                del self._cache[key]
+            else:
+                self._cache[key] = count - take
+            self._cached_total -= take
+            self._evicted += take
+            blocks -= take
+
+    def _release(self, seq: _Seq) -> None:
+        r, bs = seq.request, self.spec.block_tokens
+        self._used -= seq.own_blocks
+        # Only full blocks are cacheable; the own entry is evicted before the shared head.
+        own_full = max(0, (r.context_tokens + r.new_tokens) // bs - seq.shared_blocks)
+        self._cache_blocks(("traj", r.session), own_full)
+        if seq.shared_blocks:
+            task = r.shared_key or ""
+            entry = self._shared_in_use[task]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._shared_in_use[task]
+                self._used -= entry[0]
+                self._cache_blocks(("task", task), entry[0])
+
+    def _cache_blocks(self, key: tuple[str, str], blocks: int) -> None:
+        if blocks <= 0:
+            return
+        self._cached_total += blocks - self._cache.pop(key, 0)
+        self._cache[key] = blocks
+
+
+def build_engine_spec(plan: Plan, block_tokens: int = 16, max_num_seqs: int = 256) -> EngineSpec:
+    """One rollout engine of the plan: its tp_size GPUs' share of the KV pool."""
+    p = plan.inputs
+    return EngineSpec(params_b=p.model_params_b, dtype_bytes=plan.dtype_bytes,
+                      kv_bytes_per_token=p.kv_bytes_per_token,
+                      kv_pool_bytes=p.kv_pool_gb_per_gpu * 1e9 * plan.tp_size,
+                      tp_size=plan.tp_size, hbm_bytes_per_s=plan.hbm_bytes_per_s,
+                      gpu_flops=p.gpu_flops, mfu_prefill=p.mfu_prefill,
+                      block_tokens=block_tokens, max_num_seqs=max_num_seqs)
