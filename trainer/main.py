@@ -1,8 +1,9 @@
 """Entry point: `python -m trainer.main recipe=NAME.yaml [section.key=value ...] [--dry-run]`.
 
 Reads the recipe, checks it against the schema before anything heavy starts, prints the
-resolved config and the resource-pool plan, then (without --dry-run) builds the system
-and trains (trainer.system, trainer.controller).
+resolved config and the resource-pool plan, validates what it names (trainer.validate:
+plug-ins, task rows, tools, model; every problem listed, exit 2), then (without
+--dry-run) builds the system and trains (trainer.system, trainer.controller).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ USAGE = """usage: python -m trainer.main recipe=NAME.yaml [section.key=value ...
 
   recipe=NAME.yaml   a file in recipes/ or a path to one
   section.key=value  override any key below (OmegaConf dotlist syntax)
-  --dry-run          print the resolved config and the pool plan, then exit
+  --dry-run          print the resolved config and the pool plan, check everything the
+                     recipe names (as a run does), then exit: 0 ready, 2 problems
   -h, --help         this text and every config key
 """
 
@@ -74,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     pools = plan_pools(cfg)
     print(format_config(cfg))
     print("resource pools:\n" + format_pool_plan(pools))
+    from trainer.validate import format_problems, validate_run
+
+    problems = validate_run(cfg)  # plug-ins, task rows, tools, model: before anything starts
+    if problems:
+        print(f"config error: {format_problems(problems)}", file=sys.stderr)
+        return 2
     if dry_run:
         return 0
 

@@ -1,0 +1,275 @@
+"""Start-up validation, shared by `--dry-run` and the real run: everything a recipe names
+is loaded and checked before anything starts, and every problem is listed at once.
+
+    validate_run(cfg) -> ["agent.loop: ...", "envs.tasks: data/t.jsonl row 3, ...", ...]
+
+Checked: every plug-in (agent.loop, reward.fn, model.warm_start, envs.sandbox_backend,
+each envs.tools entry, and the agent_loop / reward_fn a task row names) is imported with
+the loaders the run itself uses and held against its Protocol, without being run; every
+row of envs.tasks and eval.tasks is read; every tool a task names resolves to a built-in
+or an envs.tools entry; the model folder (and the judge's) has a config, weights and a
+tokenizer whose chat template renders. Nothing here writes to the run folder; the only
+disk writes are caches a run would fill anyway (the tiny model, SWE repository snapshots).
+
+The tokenizer is loaded as a fast tokenizer (`tokenizer.json`) through transformers
+without torch, so `--dry-run` stays light; folders without `tokenizer.json` fall back to
+AutoTokenizer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from envs.plugins import BUILTINS, PluginKind, resolve_plugin
+from envs.tasks import read_tasks
+from envs.tools.base import check_tool_class
+from envs.types import Task
+from reward.base import load_reward_fn
+from rollout.agent_loop import load_agent_loop
+from trainer.config import SluiceConfig
+
+MAX_ROW_PROBLEMS = 20  # per task source; a file with thousands of bad rows lists this many
+MAX_TASK_IDS = 3  # task ids named in one problem (then "and N more")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+_TEMPLATE_PROBE = [{"role": "system", "content": "You are a helpful assistant."},
+                   {"role": "user", "content": "What is 2 + 2?"}]
+_TOOL_PROBE = {"type": "function", "function": {
+    "name": "python", "description": "Run Python code.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                   "required": ["code"]}}}
+
+
+def validate_run(cfg: SluiceConfig) -> list[str]:
+    """Every problem that would stop the run configured by `cfg`, one line each, each
+    naming the key, file or task to change; [] when the run can start."""
+    problems: list[str] = []
+    problems += _plugin_problems("agent.loop", "agent loop", [cfg.agent.loop])
+    problems += _plugin_problems("reward.fn", "reward fn", [cfg.reward.fn])
+    if cfg.model.warm_start is not None:
+        problems += _plugin_problems("model.warm_start", "warm start", [cfg.model.warm_start])
+    problems += _plugin_problems("envs.sandbox_backend", "sandbox backend",
+                                 [cfg.envs.sandbox_backend])
+    tool_names = set(BUILTINS["tool"]) | set(cfg.envs.tools)
+    for name, ref in cfg.envs.tools.items():
+        problems += _plugin_problems(f"envs.tools.{name}", "tool", [ref], name=name)
+
+    sources = [("envs.tasks", cfg.envs.tasks, cfg.envs.task_format)]
+    if cfg.eval.tasks is not None:
+        sources.append(("eval.tasks", cfg.eval.tasks, "auto"))  # as the run reads it
+    checked = {("agent loop", cfg.agent.loop), ("reward fn", cfg.reward.fn)}
+    for key, source, fmt in sources:
+        try:
+            tasks, task_problems = read_tasks(source, fmt, max_problems=MAX_ROW_PROBLEMS)
+        except Exception as exc:  # a broken task builder must not hide the other problems
+            tasks, task_problems = [], [f"reading {source!r} raised {_describe(exc)}"]
+        problems += [f"{key}: {p}" for p in task_problems]
+        if len(task_problems) >= MAX_ROW_PROBLEMS:
+            problems.append(f"{key}: stopped after {MAX_ROW_PROBLEMS} problems in {source!r}; "
+                            "fix these and validate again")
+        problems += _task_tool_problems(key, tasks, tool_names)
+        problems += _task_plugin_problems(key, tasks, checked)
+
+    problems += _model_problems("model.path", cfg.model.path)
+    if cfg.reward.judge.enabled:
+        problems += _model_problems("reward.judge.model_path", cfg.reward.judge.model_path)
+    return problems
+
+
+# --- plug-ins ----------------------------------------------------------------------------
+
+def _plugin_problems(key: str, kind: PluginKind, names: Iterable[str], *,
+                     name: str = "") -> list[str]:
+    out = []
+    for value in names:
+        problem = check_plugin(kind, value, name=name)
+        if problem is not None:
+            out.append(f"{key}: {problem}")
+    return out
+
+
+def check_plugin(kind: PluginKind, value: str, *, name: str = "") -> str | None:
+    """None if `value` resolves to an object that satisfies the Protocol of `kind`, else
+    what is wrong. Agent loops and reward fns are built (as the run builds them: no
+    arguments); tools, warm starts and sandbox backends are only inspected."""
+    try:
+        return _CHECKS[kind](value, name)
+    except ValueError as exc:  # the loaders' own messages say what to change
+        return str(exc)
+    except Exception as exc:  # the user's module raised while importing or building
+        return f"{kind} {value!r} raised {_describe(exc)} while loading; fix that module"
+
+
+def _check_agent_loop(value: str, _: str) -> str | None:
+    cls = load_agent_loop(value)
+    problem = _signature_problem(cls.run, ("self", "task", "ctx"))
+    if problem:
+        return f"agent loop {value!r}: {cls.__name__}.run{problem}"
+    try:
+        cls()
+    except TypeError as exc:
+        return (f"agent loop {value!r}: {cls.__name__}() cannot be built without arguments "
+                f"({exc}); the worker builds it as {cls.__name__}(), so give its parameters "
+                "defaults")
+    return None
+
+
+def _check_reward_fn(value: str, _: str) -> str | None:
+    fn = load_reward_fn(value)
+    problem = _signature_problem(fn.__call__, ("trajectory", "task", "ctx"))
+    return f"reward fn {value!r}: __call__{problem}" if problem else None
+
+
+def _check_tool(value: str, name: str) -> str | None:
+    cls = resolve_plugin("tool", value)
+    check_tool_class(name or value, cls)
+    problem = _signature_problem(cls, ("env",))
+    if problem:
+        return f"tool {name or value!r}: {getattr(cls, '__name__', cls)}{problem} (tools are built as cls(env))"
+    execute = getattr(cls, "execute", None)
+    if inspect.isclass(cls) and execute is not None:
+        problem = _signature_problem(execute, ("self", "arguments"))
+        if problem:
+            return f"tool {name or value!r}: {cls.__name__}.execute{problem}"
+    return None
+
+
+def _check_warm_start(value: str, _: str) -> str | None:
+    fn = resolve_plugin("warm start", value)
+    if not callable(fn):
+        return f"warm start {value!r} is not callable; name a function (base_model_dir, cfg) -> model_dir"
+    problem = _signature_problem(fn, ("base_model_dir", "cfg"))
+    return f"warm start {value!r}{problem}" if problem else None
+
+
+def _check_sandbox_backend(value: str, _: str) -> str | None:
+    cls = resolve_plugin("sandbox backend", value)
+    if not inspect.iscoroutinefunction(getattr(cls, "create", None)):
+        return (f"sandbox backend {value!r} needs `async def create(cls, spec)` "
+                "(envs.sandbox.base.Sandbox)")
+    return None
+
+
+_CHECKS: dict[str, Callable[[str, str], str | None]] = {
+    "agent loop": _check_agent_loop, "reward fn": _check_reward_fn, "tool": _check_tool,
+    "warm start": _check_warm_start, "sandbox backend": _check_sandbox_backend}
+
+
+def _signature_problem(func: Any, params: tuple[str, ...]) -> str | None:
+    """None when `func` accepts len(params) positional arguments, else a message suffix
+    such as "(self, task) must accept (self, task, ctx)"."""
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return None
+    try:
+        sig.bind(*params)
+    except TypeError:
+        return f"{sig} must accept ({', '.join(params)})"
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}:{exc.lineno})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- tasks -------------------------------------------------------------------------------
+
+def _ids(tasks: list[Task]) -> str:
+    shown = ", ".join(repr(t.id) for t in tasks[:MAX_TASK_IDS])
+    more = len(tasks) - MAX_TASK_IDS
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _task_tool_problems(key: str, tasks: list[Task], tool_names: set[str]) -> list[str]:
+    unknown: dict[str, list[Task]] = {}
+    for task in tasks:
+        for tool in task.tools:
+            if tool not in tool_names:
+                unknown.setdefault(tool, []).append(task)
+    return [f"{key}: task {_ids(named)} names tool {tool!r}, which is neither a built-in "
+            f"({', '.join(BUILTINS['tool'])}) nor in envs.tools; add "
+            f"envs.tools.{tool}=package.module:Class to the recipe or fix the task's 'tools'"
+            for tool, named in unknown.items()]
+
+
+def _task_plugin_problems(key: str, tasks: list[Task], checked: set[tuple[str, str]]) -> list[str]:
+    """The agent loops and reward fns the rows name, each checked once per run."""
+    named: dict[tuple[PluginKind, str], list[Task]] = {}
+    for task in tasks:
+        if task.agent_loop is not None:
+            named.setdefault(("agent loop", task.agent_loop), []).append(task)
+        if task.reward_fn is not None:
+            named.setdefault(("reward fn", task.reward_fn), []).append(task)
+    out = []
+    for (kind, value), by in named.items():
+        if (kind, value) in checked:
+            continue
+        checked.add((kind, value))
+        problem = check_plugin(kind, value)
+        if problem is not None:
+            field = "agent_loop" if kind == "agent loop" else "reward_fn"
+            out.append(f"{key}: task {_ids(by)} {field}: {problem}")
+    return out
+
+
+# --- model -------------------------------------------------------------------------------
+
+def _model_problems(key: str, path: str) -> list[str]:
+    if path == "tiny":
+        from trainer.tiny_model import ensure_tiny_model
+
+        folder = ensure_tiny_model()  # built once into the cache; what the run uses
+    else:
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            return [f"{key}: {path!r} is not a folder; give a Hugging Face model folder "
+                    "(config.json, weights, tokenizer) or 'tiny' for the local test model"]
+    out = []
+    config = folder / "config.json"
+    try:
+        if "model_type" not in json.loads(config.read_text()):
+            out.append(f"{key}: {config} has no 'model_type'; it is not a Hugging Face model config")
+    except FileNotFoundError:
+        out.append(f"{key}: {folder} has no config.json; save the model with save_pretrained()")
+    except (OSError, ValueError) as exc:
+        out.append(f"{key}: {config} is not readable JSON ({exc})")
+    if not any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS):
+        out.append(f"{key}: {folder} holds no weights (*.safetensors or *.bin)")
+    out += _tokenizer_problems(key, folder)
+    return out
+
+
+def _tokenizer_problems(key: str, folder: Path) -> list[str]:
+    try:
+        if (folder / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast  # light: no torch
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # transformers raises many kinds for a broken folder
+        return [f"{key}: the tokenizer in {folder} does not load ({_describe(exc)})"]
+    if not tokenizer.chat_template:
+        return [f"{key}: the tokenizer in {folder} has no chat template; add "
+                "chat_template.jinja (or 'chat_template' in tokenizer_config.json)"]
+    try:
+        tokenizer.apply_chat_template(_TEMPLATE_PROBE, tools=[_TOOL_PROBE], tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as exc:  # a template error surfaces as whatever jinja raises
+        return [f"{key}: the chat template in {folder} fails to render a system + user "
+                f"conversation with one tool ({_describe(exc)})"]
+    return []
+
+
+def format_problems(problems: list[str]) -> str:
+    """The list as printed by trainer.main."""
+    head = f"{len(problems)} problem{'s' if len(problems) != 1 else ''} before start:"
+    return "\n".join([head, *(f"  - {p}" for p in problems)])
