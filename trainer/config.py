@@ -28,8 +28,10 @@ __all__ = ["AgentConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    address: str = knob("local", "Ray cluster to join: 'local' starts one in this process; "
-                        "otherwise a Ray address such as 'auto' or 'ray://head:10001'.")
+    address: str = knob("local", "Ray cluster: 'local' always starts a private one for this "
+                        "run, never joining one already running here; joining takes an explicit "
+                        "address: 'auto' (the `ray start` cluster of this machine), 'head:6379' "
+                        "or 'ray://head:10001'.")
     device: Literal["cpu", "cuda"] = knob("cpu", "Accelerator of engines and train ranks. On 'cpu' every pool "
                           "exists with zero GPUs; nothing else changes.")
     local_num_cpus: int | None = knob(None, "Logical CPUs a local Ray offers (scheduling units, "

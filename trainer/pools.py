@@ -7,7 +7,10 @@ named instead of hanging. On a CPU machine the same plan has zero GPUs.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -96,19 +99,80 @@ class PoolPlacementError(RuntimeError):
     """The cluster cannot place a pool; the message names the pool and what is missing."""
 
 
+class ClusterConnectionError(ValueError):
+    """cluster.address names a Ray cluster that cannot be reached; the message says what to
+    change (a ValueError: trainer.main reports it as a config error, exit 2)."""
+
+
+CONNECT_TIMEOUT_S = 10.0  # how long an explicit cluster.address may take to answer
+
+
 def connect_cluster(cfg: SluiceConfig) -> None:
-    """Join the configured Ray cluster, or start a local one offering the sandbox resource."""
+    """cluster.address=local: start a private Ray cluster offering the sandbox resource,
+    never one already running on this machine (whatever RAY_ADDRESS says). Otherwise join
+    the cluster at that address, failing within CONNECT_TIMEOUT_S when nothing answers."""
     import ray
 
     if ray.is_initialized():
         return
     c = cfg.cluster
     if c.address == "local":
-        ray.init(num_cpus=c.local_num_cpus, num_gpus=c.local_num_gpus,
-                 resources={c.sandbox_resource: c.local_num_sandbox_slots},
-                 include_dashboard=False, log_to_driver=True)
-    else:
+        # address="local" makes ray.init start a new cluster. RAY_ADDRESS (what `ray start`
+        # tells a shell to export) would still reach every process this one starts.
+        os.environ.pop("RAY_ADDRESS", None)
+        context = ray.init(address="local", num_cpus=c.local_num_cpus, num_gpus=c.local_num_gpus,
+                           resources={c.sandbox_resource: c.local_num_sandbox_slots},
+                           include_dashboard=False, log_to_driver=True)
+        _record_private_cluster(context.address_info["session_dir"])
+        return
+    _check_reachable(c.address)
+    # Ray sends this user's auth token only to clusters it finds itself, never to an
+    # explicit address, while `ray start` turns token auth on by default; do what it does
+    # for found clusters (RAY_AUTH_MODE unset + a token exists). A cluster without auth
+    # ignores the token. (Private to Ray 2.60, which pyproject pins.)
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available)
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    try:
         ray.init(address=c.address)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterConnectionError(
+            f"cluster.address={c.address!r}: cannot join a Ray cluster there ({exc}). Start "
+            "the head first (`ray start --head` on it), fix the address, or set "
+            "cluster.address=local for a private cluster on this machine") from None
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast for 'host:port' and 'ray://host:port' addresses nothing listens at:
+    ray.init itself retries for minutes, printing warnings."""
+    if address == "auto":
+        return  # ray.init finds the running cluster, or raises ConnectionError at once
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterConnectionError(f"cluster.address={address!r} is not 'local', 'auto', "
+                                     "'host:port' or 'ray://host:port'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ClusterConnectionError(
+            f"cluster.address={address!r}: nothing answers at {host}:{port} "
+            f"({exc.strerror or exc}). Start the head there (`ray start --head --port={port}`), "
+            "fix the address, or set cluster.address=local for a private cluster on this "
+            "machine") from None
+
+
+def _record_private_cluster(session_dir: str) -> None:
+    """Leave a record of the cluster this process owns, so that a later run's reaper
+    (envs.reaper) stops its processes should this one be killed before it shuts Ray down."""
+    from envs.reaper import forget_ray_session, record_ray_session
+
+    try:
+        record = record_ray_session(session_dir)
+    except OSError as exc:  # a run must not fail for its clean-up note
+        log.warning("cannot record the private Ray cluster for the reaper: %s", exc)
+        return
+    atexit.register(forget_ray_session, record)
 
 
 def _shortfall(pool: PoolSpec) -> str:
