@@ -14,7 +14,8 @@ from reward.config import RewardConfig
 @dataclass(frozen=True, slots=True)
 class RolloutConfig:
     num_engines: int = knob(1, "vLLM engines in the rollout pool.")
-    tp_size: int = knob(1, "Tensor-parallel GPUs per engine (must be 1 on cpu).")
+    tp_size: int = knob(1, "Tensor-parallel GPUs per engine, all in one bundle (one node); "
+                        "on cpu, TP worker processes (for tests).")
     cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per engine.")
     gpu_memory_utilization: float = knob(0.85, "Fraction of GPU memory vLLM may use (cuda).")
     kv_cache_memory_bytes: int | None = knob(None, "Explicit KV-cache size per engine. None: "
@@ -62,6 +63,9 @@ class _ModelView(Protocol):
 
     @property
     def max_context_tokens(self) -> int: ...
+
+    @property
+    def rope_scaling(self) -> dict[str, float | str]: ...  # rollout.rope.build_rope_overrides
 
 
 class _ClusterView(Protocol):

@@ -10,6 +10,12 @@ An update while requests are paused in flight continues them on the new weights 
 the old weights computed; their tokens carry the new version, but they match neither
 model exactly. The controller therefore updates only at turn boundaries (a drained turn
 gate), where no request is in flight.
+
+Tensor parallelism: an engine owns one rollout-pool bundle holding all `tp_size` of its
+GPUs (one node), and vLLM's multiprocessing executor starts the TP workers as child
+processes that see exactly those GPUs. Left to itself, vLLM picks its Ray executor
+whenever it runs inside a placement group, and that executor refuses bundles with more
+than one GPU (and would take bundles of the whole pool, not this engine's).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -46,19 +52,57 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    # Model-config overrides (vLLM's hf_overrides): the recipe's RoPE scaling
+    # (rollout.rope.build_rope_overrides), the same the trainer's model gets.
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: "RolloutRecipe", model_path: str) -> "EngineSpec":
+        from rollout.rope import build_rope_overrides, read_config_json
+
         cpu = cfg.cluster.device == "cpu"
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if cpu else "bfloat16")
         kv = cfg.rollout.kv_cache_memory_bytes
+        overrides = (build_rope_overrides(read_config_json(model_path), cfg.model.rope_scaling)
+                     if cfg.model.rope_scaling else {})
         return cls(model_path=model_path, dtype=dtype, max_model_len=cfg.model.max_context_tokens,
                    tp_size=cfg.rollout.tp_size,
                    kv_cache_memory_bytes=kv if kv is not None or not cpu else 1 << 30,
                    gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                    max_num_seqs=cfg.rollout.max_num_seqs,
                    enable_prefix_caching=cfg.rollout.enable_prefix_caching,
-                   enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed)
+                   enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed,
+                   hf_overrides=overrides)
+
+
+def choose_executor_backend(tp_size: int) -> Literal["uni", "mp"]:
+    """vLLM executor for an engine whose `tp_size` GPUs are all in its own bundle: one
+    process ("uni"), or TP workers as child processes of the engine ("mp"). Never vLLM's
+    default inside a placement group ("ray"), which needs one GPU per bundle."""
+    if tp_size < 1:
+        raise ValueError(f"rollout.tp_size must be >= 1, got {tp_size}")
+    return "uni" if tp_size == 1 else "mp"
+
+
+def build_engine_args(spec: EngineSpec) -> Any:
+    """vLLM's AsyncEngineArgs for `spec` (`.create_engine_config()` runs vLLM's own checks
+    without starting anything). Imports vllm."""
+    from vllm import AsyncEngineArgs
+
+    s = spec
+    return AsyncEngineArgs(
+        model=s.model_path, dtype=s.dtype, max_model_len=s.max_model_len,
+        tensor_parallel_size=s.tp_size,
+        distributed_executor_backend=choose_executor_backend(s.tp_size),
+        kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+        gpu_memory_utilization=s.gpu_memory_utilization, max_num_seqs=s.max_num_seqs,
+        enable_prefix_caching=s.enable_prefix_caching, enforce_eager=s.enforce_eager,
+        seed=s.seed, worker_extension_cls=EXTENSION, disable_log_stats=False,
+        hf_overrides=dict(s.hf_overrides),  # {} for none: vLLM refuses None
+        # Behaviour logprobs of the distribution tokens were sampled from (after the
+        # temperature), which is what the trainer recomputes; vLLM's default reports
+        # the raw logits' logprobs, wrong for any temperature != 1.
+        logprobs_mode="processed_logprobs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,26 +155,21 @@ class VLLMEngine:
         return self._version
 
     async def start(self) -> None:
-        if self.spec.tp_size == 1:
+        s = self.spec
+        if s.tp_size == 1:
             # The engine core runs in this process: starts in seconds instead of ~20 s.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        s = self.spec
-        args = AsyncEngineArgs(
-            model=s.model_path, dtype=s.dtype, max_model_len=s.max_model_len,
-            tensor_parallel_size=s.tp_size, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-            gpu_memory_utilization=s.gpu_memory_utilization, max_num_seqs=s.max_num_seqs,
-            enable_prefix_caching=s.enable_prefix_caching, enforce_eager=s.enforce_eager,
-            seed=s.seed, worker_extension_cls=EXTENSION, disable_log_stats=False,
-            # Behaviour logprobs of the distribution tokens were sampled from (after the
-            # temperature), which is what the trainer recomputes; vLLM's default reports
-            # the raw logits' logprobs, wrong for any temperature != 1.
-            logprobs_mode="processed_logprobs")
+        if s.tp_size > 1 and current_platform.is_cpu():
+            # vLLM's automatic CPU binding wants one NUMA node per TP worker; let the OS
+            # schedule them instead (an explicit VLLM_CPU_OMP_THREADS_BIND still wins).
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         start = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(args)
-        log.info("engine %s started in %.1fs", s.model_path, time.monotonic() - start)
+        self._llm = AsyncLLM.from_engine_args(build_engine_args(s))
+        log.info("engine %s (tp=%d, %s executor) started in %.1fs", s.model_path, s.tp_size,
+                 choose_executor_backend(s.tp_size), time.monotonic() - start)
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -220,8 +259,12 @@ class VLLMEngine:
                     await self.resume()
 
     async def checksum(self, names: list[str]) -> str:
-        (digest, *_rest) = await self._llm.collective_rpc("sluice_checksum", args=(names,))
-        return digest
+        """Digest of the (replicated) parameters `names`; every TP worker must report the
+        same one, or the result names the disagreement (and so matches no expected digest)."""
+        digests = await self._llm.collective_rpc("sluice_checksum", args=(names,))
+        if len(set(digests)) > 1:
+            return "TP workers disagree: " + ", ".join(d[:12] for d in digests)
+        return digests[0]
 
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()

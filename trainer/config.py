@@ -14,7 +14,7 @@ from typing import Literal
 
 from buffer.config import BufferConfig
 from envs.config import EnvsConfig
-from envs.knobs import iter_fields, knob, section
+from envs.knobs import iter_fields, knob, mapping_knob, section
 from envs.plugins import check_plugin_name
 from reward.config import JudgeConfig, RewardConfig
 from rollout.config import AgentConfig, RolloutConfig
@@ -51,7 +51,12 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "Weights and compute dtype; auto: bfloat16 on cuda, float32 on cpu.")
     max_context_tokens: int = knob(4096, "Longest sequence (prompt + all turns) an engine "
-                                   "accepts and the trainer packs.")
+                                   "accepts and the trainer packs; checked against the "
+                                   "model's positions (with model.rope_scaling) before start.")
+    rope_scaling: dict[str, float | str] = mapping_knob(
+        "RoPE scaling applied to the policy in the engines (vLLM hf_overrides) and the trainer "
+        "alike, e.g. {rope_type: yarn, factor: 2.0, original_max_position_embeddings: 32768} "
+        "for 65,536 positions of Qwen3; types yarn, linear, dynamic. Empty: the model's own.")
     warm_start: str | None = knob(None, "Warm start before RL: a built-in name or import string "
                                   "of a callable (base model folder, config) -> model folder, "
                                   "e.g. the quickstart's 'toy_demonstrations'; None: model.path as is.")
@@ -73,6 +78,10 @@ class TrainConfig:
     num_minibatches: int = knob(1, "Optimizer steps per batch (PPO minibatches); proximal "
                                 "logprobs stay fixed across them.")
     micro_batch_tokens: int = knob(8192, "Token budget of one packed micro-batch.")
+    logprob_chunk_tokens: int = knob(2048, "Positions whose logits exist at once when logprobs "
+                                     "and entropy are computed (fp32 [chunk, vocab]); memory "
+                                     "for one sequence is then linear in its length. 0: the "
+                                     "whole micro-batch's logits at once.")
     lr: float = knob(1e-6, "AdamW learning rate.")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     max_grad_norm: float = knob(1.0, "Gradient clipping norm.")
@@ -183,8 +192,6 @@ def check_config(cfg: SluiceConfig) -> None:
                        ("model.max_context_tokens", cfg.model.max_context_tokens)]:
         _require(value >= 1, key, f"must be >= 1, got {value}")
 
-    _require(not (cpu and r.tp_size > 1), "rollout.tp_size",
-             "tensor parallelism needs GPUs; set it to 1 or cluster.device=cuda")
     _require(r.kv_cache_memory_bytes is None or r.kv_cache_memory_bytes > 0,
              "rollout.kv_cache_memory_bytes", "must be > 0 bytes or null")
     if j.enabled:
@@ -241,6 +248,8 @@ def check_config(cfg: SluiceConfig) -> None:
              "more minibatches than trajectories in a step")
     _require(0 <= t.zero_stage <= 3, "train.zero_stage", f"must be 0-3, got {t.zero_stage}")
     _require(t.lr > 0, "train.lr", "must be > 0")
+    _require(t.logprob_chunk_tokens >= 0, "train.logprob_chunk_tokens",
+             "must be >= 0 (0: no chunking)")
 
     _require(0 < lo.eps_low < 1, "loss.eps_low", "must be in (0, 1)")
     _require(lo.eps_high > 0, "loss.eps_high", "must be > 0")

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from trainer.config import SluiceConfig, iter_fields
+from trainer.model_check import check_models, format_model_report
 from trainer.pools import format_pool_plan, plan_pools
 from trainer.recipe import load_config
 
@@ -76,9 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     pools = plan_pools(cfg)
     print(format_config(cfg))
     print("resource pools:\n" + format_pool_plan(pools))
+    models = check_models(cfg)  # context vs positions, TP vs heads, memory per rank and engine
+    print(format_model_report(models))
     from trainer.validate import format_problems, validate_run
 
-    problems = validate_run(cfg)  # plug-ins, task rows, tools, model: before anything starts
+    # plug-ins, task rows, tools, model: before anything starts
+    problems = models.problems + validate_run(cfg)
     if problems:
         print(f"config error: {format_problems(problems)}", file=sys.stderr)
         return 2

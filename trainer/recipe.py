@@ -173,12 +173,14 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
-    elif origin is dict and typing.get_args(hint) == (str, str):
-        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                           for k, v in value.items()):
-            return dict(value)
+    elif origin is dict and typing.get_args(hint)[0] is str:
+        # Mapping knobs: names to values of one schema type, each checked under its own
+        # dotted key (envs.tools.NAME, model.rope_scaling.factor).
+        value_hint = typing.get_args(hint)[1]
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {k: _coerce(f"{key}.{k}", value_hint, v) for k, v in value.items()}
         if isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of names to strings, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping with string keys, got {value!r}")
     else:
         raise TypeError(f"schema type {hint!r} of {key} is not supported by the recipe loader")
     raise ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {value!r}")

@@ -77,7 +77,7 @@ def test_type_errors_name_the_key_and_type(override, expected):
 
 
 @pytest.mark.parametrize("override, key", [
-    ("rollout.tp_size=2", "rollout.tp_size"),
+    ("rollout.tp_size=0", "rollout.tp_size"),
     ("agent.max_new_tokens_per_turn=9999", "agent.max_new_tokens_per_turn"),
     ("agent.loop=not_an_import_string", "agent.loop"),
     ("train.group_size=1", "train.group_size"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,8 @@ class DeepSpeedBackend:
 
     def __init__(self, cfg: TrainConfig, model_path: str | Path, *, dtype: str = "auto",
                  device: str | None = None, temperature: float = 1.0,
-                 attn_implementation: str | None = None) -> None:
+                 attn_implementation: str | None = None,
+                 config_overrides: Mapping[str, Any] | None = None) -> None:
         self._cfg = cfg
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self._device)
@@ -110,7 +111,8 @@ class DeepSpeedBackend:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         init_process_group(self._device)
         model = build_policy_model(model_path, self._dtype, self._device,
-                                   cfg.gradient_checkpointing, attn_implementation)
+                                   cfg.gradient_checkpointing, attn_implementation,
+                                   config_overrides)
         schedule = partial(compute_warmup_factor, num_warmup_steps=cfg.num_warmup_steps)
         self._engine, *_ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -158,7 +160,8 @@ class DeepSpeedBackend:
 
     def compute_proximal_logprobs(self, batches: Sequence[PackedBatch]) -> list[torch.Tensor]:
         """logprobs_T of each packed batch under the current weights, no gradients."""
-        return compute_proximal_logprobs(self, batches, self._temperature)
+        return compute_proximal_logprobs(self, batches, self._temperature,
+                                         self._cfg.logprob_chunk_tokens)
 
     def train_step(self, trajectories: Sequence[Trajectory], advantages_per_traj: Any,
                    cfg_loss: LossConfig) -> StepResult:

@@ -12,11 +12,29 @@ the attention implementation the model was loaded with:
 - `flash_attention_2` (GPU only, when flash-attn is installed): `cu_seq_lens_*` are passed
   to transformers, which runs flash-attn's varlen kernel. Needs CUDA; the CPU test suite
   does not exercise it.
+
+Logits are never materialised for the whole row when `chunk_tokens` > 0 (the default,
+`train.logprob_chunk_tokens`): the decoder's last hidden states [T, H] go through the LM
+head `chunk_tokens` positions at a time, and only [T] logprobs and entropies leave each
+chunk. With gradients each chunk is checkpointed: backward recomputes its [chunk, V]
+logits instead of keeping them, so memory for one sequence is linear in its length with a
+constant of about H + 2 values per position, plus one chunk's logits. At 65,536 tokens and
+Qwen3's 151,936-entry vocabulary the unchunked fp32 logits alone are 40 GB (three times
+that with softmax and gradients); one 2,048-position chunk is 1.2 GB.
+
+The chunked path still calls the model through its own `__call__` (a DeepSpeed engine's
+forward included), with a forward installed on the Hugging Face module that returns the
+logprobs instead of logits: DeepSpeed registers its backward prologue (ZeRO's gradient
+bookkeeping) on a forward's outputs, and ZeRO-3 gathers the LM head's weight by hooks on
+the head module, which every chunk calls.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from trainer.backends.packing import PackedBatch
 
@@ -111,20 +129,92 @@ def compute_logprobs_from_logits(logits_TV: torch.Tensor, target_ids_T: torch.Te
     return logprobs_T, entropy_T
 
 
+def compute_chunked_logprobs(hidden_TH: torch.Tensor, head: torch.nn.Module,
+                             target_ids_T: torch.Tensor, temperature: float = 1.0,
+                             with_entropy: bool = False, entropy_grad: bool = True,
+                             chunk_tokens: int = 2048
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`compute_logprobs_from_logits(head(hidden_TH), ...)` computed `chunk_tokens`
+    positions at a time; equal to it (values and gradients), without the [T, V] logits.
+
+    With gradients enabled each chunk is checkpointed (non-reentrant): its forward keeps
+    only its slice of hidden states, and backward recomputes the chunk's logits.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"train.logprob_chunk_tokens must be >= 1 for the chunked path, "
+                         f"got {chunk_tokens}")
+    logprobs, entropies = [], []
+    for start in range(0, hidden_TH.shape[0], chunk_tokens):
+        args = (hidden_TH[start:start + chunk_tokens], target_ids_T[start:start + chunk_tokens],
+                head, temperature, with_entropy, entropy_grad)
+        if torch.is_grad_enabled() and hidden_TH.requires_grad:
+            lp_C, ent_C = checkpoint(_head_logprobs, *args, use_reentrant=False)
+        else:
+            lp_C, ent_C = _head_logprobs(*args)
+        logprobs.append(lp_C)
+        entropies.append(ent_C)
+    entropy_T = torch.cat(entropies) if with_entropy else None
+    return torch.cat(logprobs), entropy_T
+
+
+def _head_logprobs(hidden_CH: torch.Tensor, target_ids_C: torch.Tensor, head: torch.nn.Module,
+                   temperature: float, with_entropy: bool, entropy_grad: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return compute_logprobs_from_logits(head(hidden_CH), target_ids_C, temperature,
+                                        with_entropy, entropy_grad)
+
+
+_REQUEST_KWARG = "sluice_logprob_request"
+
+
+def _install_logprob_forward(model: torch.nn.Module) -> None:
+    """Give a Hugging Face causal LM a forward that, called with `sluice_logprob_request`,
+    returns (logprobs_T, entropy_T) of one packed row computed in chunks (idempotent).
+
+    Any other call goes to the model's own forward. The decoder and the head are called as
+    modules, so their hooks (ZeRO-3 gathers, activation checkpointing) act as usual.
+    """
+    if getattr(model, "_sluice_logprob_forward", False):
+        return
+    own_forward = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        request = kwargs.pop(_REQUEST_KWARG, None)
+        if request is None:
+            return own_forward(*args, **kwargs)
+        target_ids_T, temperature, with_entropy, entropy_grad, chunk_tokens = request
+        hidden_BTH = model.get_decoder()(*args, **kwargs).last_hidden_state
+        return compute_chunked_logprobs(hidden_BTH[0], model.get_output_embeddings(),
+                                        target_ids_T, temperature, with_entropy, entropy_grad,
+                                        chunk_tokens)
+
+    model.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+    model._sluice_logprob_forward = True
+
+
 def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBatch,
                                        temperature: float = 1.0, with_entropy: bool = False,
-                                       entropy_grad: bool = True
+                                       entropy_grad: bool = True, chunk_tokens: int = 0
                                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs_T, entropy_T or None) of every position's target in one packed row.
 
     `model` is a Hugging Face causal LM or a DeepSpeed engine around one. Values at the
     last position of each sequence (no target) are computed but meaningless; callers use
     `packed.loss_mask_T`. Gradients flow when called outside `torch.no_grad()`.
+    `chunk_tokens` > 0 computes them from hidden states that many positions at a time
+    (`compute_chunked_logprobs`); 0 materialises the whole row's logits.
     """
-    param = next(getattr(model, "module", model).parameters())
+    inner = getattr(model, "module", model)
+    param = next(inner.parameters())
     device = param.device
     kwargs = _attention_kwargs(model, packed, device, param.dtype)
-    out = model(input_ids=packed.input_ids_T[None].to(device),
-                position_ids=packed.position_ids_T[None].to(device), use_cache=False, **kwargs)
-    return compute_logprobs_from_logits(out.logits[0], packed.target_ids_T.to(device),
-                                        temperature, with_entropy, entropy_grad)
+    target_ids_T = packed.target_ids_T.to(device)
+    inputs = dict(input_ids=packed.input_ids_T[None].to(device),
+                  position_ids=packed.position_ids_T[None].to(device), use_cache=False, **kwargs)
+    if chunk_tokens > 0:
+        _install_logprob_forward(inner)
+        request = (target_ids_T, temperature, with_entropy, entropy_grad, chunk_tokens)
+        return model(**inputs, **{_REQUEST_KWARG: request})
+    out = model(**inputs)
+    return compute_logprobs_from_logits(out.logits[0], target_ids_T, temperature, with_entropy,
+                                        entropy_grad)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,8 +51,12 @@ def choose_attention(device: torch.device) -> str:
 
 def build_policy_model(model_path: str | Path, dtype: torch.dtype, device: torch.device,
                        gradient_checkpointing: bool = False,
-                       attn_implementation: str | None = None) -> torch.nn.Module:
+                       attn_implementation: str | None = None,
+                       config_overrides: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """The causal LM with dropout off, KV cache off and optional activation checkpointing.
+
+    `config_overrides` are set on the model config before the weights load: the recipe's
+    RoPE scaling (`rollout.rope.build_rope_overrides`), the same the engines get.
 
     Dropout is zeroed because the PPO ratio compares two forwards of the same weights (the
     proximal and the current pass); random masks would make it noisy even on-policy.
@@ -62,6 +67,10 @@ def build_policy_model(model_path: str | Path, dtype: torch.dtype, device: torch
         raise ValueError(f"model.path {str(model_path)!r} is not a folder; give a Hugging Face "
                          f"model folder or 'tiny'")
     config = AutoConfig.from_pretrained(model_path)
+    if config_overrides:
+        from rollout.rope import apply_config_overrides
+
+        apply_config_overrides(config, config_overrides)
     for name in DROPOUT_FIELDS:
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, 0.0)

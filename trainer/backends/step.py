@@ -96,14 +96,17 @@ def pad_to_common_count(ops: StepOps, batches: list[PackedBatch]) -> tuple[list[
 
 @torch.no_grad()
 def compute_proximal_logprobs(ops: StepOps, batches: Sequence[PackedBatch],
-                              temperature: float = 1.0) -> list[torch.Tensor]:
-    """logprobs_T of each batch under the current weights, without gradients (CPU tensors)."""
+                              temperature: float = 1.0, chunk_tokens: int = 0
+                              ) -> list[torch.Tensor]:
+    """logprobs_T of each batch under the current weights, without gradients (CPU tensors);
+    `chunk_tokens` as in `compute_token_logprobs_and_entropy`."""
     model = ops.forward_model
     was_training = model.training
     model.eval()
     try:
         padded, num_real = pad_to_common_count(ops, list(batches))
-        out = [compute_token_logprobs_and_entropy(model, b, temperature)[0].cpu()
+        out = [compute_token_logprobs_and_entropy(model, b, temperature,
+                                                  chunk_tokens=chunk_tokens)[0].cpu()
                for b in padded]
     finally:
         model.train(was_training)
@@ -144,7 +147,7 @@ def compute_combined_metrics(parts: Sequence[LossMetrics], loss_weights: Sequenc
 
 def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
                              proximal_logprobs_T: torch.Tensor, cfg: LossConfig,
-                             temperature: float, sum_norm_tokens: int
+                             temperature: float, sum_norm_tokens: int, chunk_tokens: int = 0
                              ) -> tuple[torch.Tensor, LossMetrics]:
     """The decoupled PPO loss of one packed micro-batch, aggregated over its own tokens.
 
@@ -154,7 +157,8 @@ def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
     # Entropy is always reported (collapse shows there first); it carries gradients only
     # when it is part of the loss.
     logprobs_T, entropy_T = compute_token_logprobs_and_entropy(
-        model, batch, temperature, with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
+        model, batch, temperature, with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
+        chunk_tokens=chunk_tokens)
     device = logprobs_T.device
 
     def rows(values_T: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
@@ -178,8 +182,8 @@ def _check_step_inputs(trajectories: Sequence[Trajectory], advantages_B: torch.T
 
 
 def _train_minibatch(ops: StepOps, batches: list[PackedBatch], proximal: list[torch.Tensor],
-                     cfg_loss: LossConfig, temperature: float, sum_norm_tokens: int
-                     ) -> tuple[LossMetrics, float]:
+                     cfg_loss: LossConfig, temperature: float, sum_norm_tokens: int,
+                     chunk_tokens: int) -> tuple[LossMetrics, float]:
     padded, num_real = pad_to_common_count(ops, batches)
     proximal = proximal + [proximal[-1]] * (len(padded) - num_real)
     weights = compute_micro_batch_weights(batches, cfg_loss.aggregation, ops)
@@ -189,7 +193,7 @@ def _train_minibatch(ops: StepOps, batches: list[PackedBatch], proximal: list[to
     parts = []
     for batch, prox_T, weight in zip(padded, proximal, weights):
         loss, metrics = compute_micro_batch_loss(model, batch, prox_T, cfg_loss, temperature,
-                                                 sum_norm_tokens)
+                                                 sum_norm_tokens, chunk_tokens)
         ops.backward(loss * weight)
         parts.append(metrics)
     grad_norm = ops.optimizer_step()
@@ -217,12 +221,13 @@ def run_train_step(ops: StepOps, trajectories: Sequence[Trajectory], advantages_
     sum_norm_tokens = int(ops.all_reduce([longest], "max")[0])
 
     flat = [b for mb in minibatches for b in mb]
-    proximal = compute_proximal_logprobs(ops, flat, temperature)
+    proximal = compute_proximal_logprobs(ops, flat, temperature, cfg_train.logprob_chunk_tokens)
     proximal_s = time.perf_counter() - start
     results, offset = [], 0
     for mb in minibatches:
         results.append(_train_minibatch(ops, mb, proximal[offset:offset + len(mb)], cfg_loss,
-                                        temperature, sum_norm_tokens))
+                                        temperature, sum_norm_tokens,
+                                        cfg_train.logprob_chunk_tokens))
         offset += len(mb)
     step_s = time.perf_counter() - start
     mb_metrics = tuple(m for m, _ in results)

@@ -3,7 +3,7 @@ step loop as the DeepSpeed backend without DeepSpeed, for fast tests and debuggi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,13 +24,14 @@ class TorchBackend:
 
     def __init__(self, cfg: TrainConfig, model_path: str | Path, *, dtype: str = "auto",
                  device: str | None = None, temperature: float = 1.0,
-                 attn_implementation: str | None = None) -> None:
+                 attn_implementation: str | None = None,
+                 config_overrides: Mapping[str, Any] | None = None) -> None:
         self._cfg = cfg
         self._device = resolve_device(device)
         self._temperature = temperature
         self._model = build_policy_model(model_path, resolve_dtype(dtype, self._device),
                                          self._device, cfg.gradient_checkpointing,
-                                         attn_implementation)
+                                         attn_implementation, config_overrides)
         self._params = [p for p in self._model.parameters() if p.requires_grad]
         self._optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, betas=ADAM_BETAS,
                                             eps=ADAM_EPS, weight_decay=cfg.weight_decay)
@@ -72,7 +73,8 @@ class TorchBackend:
 
     def compute_proximal_logprobs(self, batches: Sequence[PackedBatch]) -> list[torch.Tensor]:
         """logprobs_T of each packed batch under the current weights, no gradients."""
-        return compute_proximal_logprobs(self, batches, self._temperature)
+        return compute_proximal_logprobs(self, batches, self._temperature,
+                                         self._cfg.logprob_chunk_tokens)
 
     def train_step(self, trajectories: Sequence[Trajectory], advantages_per_traj: Any,
                    cfg_loss: LossConfig) -> StepResult:

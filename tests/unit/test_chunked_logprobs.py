@@ -1,0 +1,141 @@
+"""Chunked logprobs and entropy (trainer.backends.logprobs) equal the unchunked ones in fp32,
+values and gradients, on a bare LM head and through a real (small, random) Qwen2 model over
+a packed row; and the chunked backward never keeps a [T, V] tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from envs.types import Trajectory
+from trainer.backends.logprobs import (compute_chunked_logprobs, compute_logprobs_from_logits,
+                                       compute_token_logprobs_and_entropy, register_packed_sdpa)
+from trainer.backends.packing import pack_trajectories
+
+TOL = 1e-6
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within TOL of the reference, scaled by its largest entry when that exceeds 1:
+    gradients summed over many tokens differ by the order of fp32 additions alone."""
+    return float((got - want).abs().max()) <= TOL * max(1.0, float(want.abs().max()))
+
+
+def _head_case(seed: int = 0, num_tokens: int = 37, hidden: int = 16, vocab: int = 101):
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        # Logits of a trained model's scale (a few units), so 1e-6 is ~10 fp32 ulps of a logprob.
+        head.weight.copy_(0.3 * torch.randn(vocab, hidden, generator=gen))
+    hidden_TH = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
+    targets_T = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    weights_T = torch.randn(num_tokens, generator=gen)  # a loss that weighs tokens unevenly
+    return head, hidden_TH, targets_T, weights_T
+
+
+def _grads(head, hidden_TH, lp_T, ent_T, weights_T):
+    loss = (lp_T * weights_T).sum() + (ent_T * weights_T.flip(0)).sum()
+    g_hidden, g_head = torch.autograd.grad(loss, [hidden_TH, head.weight])
+    return g_hidden, g_head
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 36, 37, 1000])
+def test_chunked_head_equals_full_logits_values_and_gradients(chunk):
+    head, hidden_TH, targets_T, weights_T = _head_case()
+    ref_lp, ref_ent = compute_logprobs_from_logits(head(hidden_TH), targets_T, 0.7,
+                                                   with_entropy=True)
+    lp, ent = compute_chunked_logprobs(hidden_TH, head, targets_T, 0.7, with_entropy=True,
+                                       chunk_tokens=chunk)
+    assert lp.shape == ent.shape == (37,)
+    assert torch.allclose(lp, ref_lp, atol=TOL, rtol=0) and torch.allclose(ent, ref_ent, atol=TOL, rtol=0)
+    for got, want in zip(_grads(head, hidden_TH, lp, ent, weights_T),
+                         _grads(head, hidden_TH, ref_lp, ref_ent, weights_T)):
+        assert _close(got, want)
+
+
+def test_entropy_without_gradient_is_detached_and_equal():
+    head, hidden_TH, targets_T, _ = _head_case(seed=1)
+    lp, ent = compute_chunked_logprobs(hidden_TH, head, targets_T, with_entropy=True,
+                                       entropy_grad=False, chunk_tokens=8)
+    _, ref_ent = compute_logprobs_from_logits(head(hidden_TH), targets_T, with_entropy=True)
+    assert lp.requires_grad and not ent.requires_grad
+    assert torch.allclose(ent, ref_ent, atol=TOL, rtol=0)
+
+
+def test_chunked_backward_saves_no_full_vocab_tensor():
+    """What autograd keeps for backward: with chunks, nothing near T x V elements (the
+    checkpointed chunks keep their hidden slice only); without, the full logits."""
+    head, hidden_TH, targets_T, _ = _head_case(num_tokens=64, vocab=997)
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel())
+        return t
+
+    full = 64 * 997
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, ent = compute_chunked_logprobs(hidden_TH, head, targets_T, with_entropy=True,
+                                           chunk_tokens=8)
+    assert max(sizes) < full / 4, sizes
+    (lp.sum() + ent.sum()).backward()  # and the recompute works
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compute_logprobs_from_logits(head(hidden_TH), targets_T, with_entropy=True)
+    assert max(sizes) >= full  # the check sees the full logits when they are kept
+
+
+def test_chunk_size_must_be_positive():
+    head, hidden_TH, targets_T, _ = _head_case()
+    with pytest.raises(ValueError, match="train.logprob_chunk_tokens"):
+        compute_chunked_logprobs(hidden_TH, head, targets_T, chunk_tokens=0)
+
+
+def _small_qwen2(attn: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=211, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                            dtype=torch.float32)
+
+
+def _packed_row():
+    rng = np.random.default_rng(0)
+    trajs = []
+    for i, (p, r) in enumerate([(5, 9), (3, 14), (7, 4)]):
+        mask = (rng.random(r) < 0.7).astype(np.int32)
+        trajs.append(Trajectory(task_id=f"t{i}", group_id="g", index=i,
+                                prompt_ids=rng.integers(0, 211, p).tolist(),
+                                response_ids=rng.integers(0, 211, r).tolist(),
+                                response_mask=mask, logprobs=np.zeros(r, np.float32),
+                                versions=np.where(mask == 1, 0, -1).astype(np.int32),
+                                termination="finished"))
+    return pack_trajectories(trajs, torch.zeros(len(trajs)))
+
+
+@pytest.mark.parametrize("attn", ["sluice_packed_sdpa", "sdpa"])
+def test_model_forward_chunked_equals_unchunked(attn):
+    register_packed_sdpa()
+    model = _small_qwen2(attn)
+    packed = _packed_row()
+    weights_T = torch.linspace(-1, 1, packed.num_tokens)
+
+    def run(chunk: int):
+        model.zero_grad(set_to_none=True)
+        lp, ent = compute_token_logprobs_and_entropy(model, packed, 0.8, with_entropy=True,
+                                                     chunk_tokens=chunk)
+        ((lp * weights_T).sum() + (ent * weights_T).sum()).backward()
+        return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_lp, ref_ent, ref_grads = run(0)
+    lp, ent, grads = run(4)
+    assert torch.allclose(lp, ref_lp, atol=TOL, rtol=0) and torch.allclose(ent, ref_ent, atol=TOL, rtol=0)
+    assert set(grads) == set(ref_grads)
+    for name, grad in grads.items():
+        assert _close(grad, ref_grads[name]), name
+    # The installed forward leaves ordinary calls alone.
+    ids = packed.input_ids_T[None]
+    assert model(input_ids=ids, use_cache=False).logits.shape == (1, packed.num_tokens, 211)
