@@ -4,8 +4,11 @@ buffer's groups and totals; and the RNG states), written atomically so a crash m
 leaves the previous checkpoint usable.
 
 Layout under the run folder:
-    checkpoints/step-000012/{backend/, run_state.pkl}   one folder per checkpoint
+    checkpoints/step-000012/{backend/, run_state.pkl, model/}   one folder per checkpoint
     checkpoints/latest                                   name of the newest complete one
+`model/` holds the policy folder's files other than weights (config, tokenizer, chat
+template), so `python -m trainer.export` can turn any checkpoint into a Hugging Face
+folder without the run's caches.
 A checkpoint folder is written under a temporary name and renamed when complete; `latest`
 is replaced with os.replace. Resume restarts at the saved version (no step counted twice)
 and re-admits the tasks that were in flight.
@@ -30,6 +33,9 @@ from trainer.controller import ControllerState
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+MODEL_FILES = "model"  # the policy folder's non-weight files, inside each checkpoint
+# Weight files (and their shard indexes) of a Hugging Face folder: never copied along.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
 class Checkpointable(Protocol):
@@ -66,8 +72,9 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def save_checkpoint(root: str | Path, backend: Checkpointable, state: RunState,
-                    keep_last: int = 2) -> Path:
-    """Write checkpoint `step-<state.step>` atomically, point `latest` at it, prune old ones."""
+                    keep_last: int = 2, model_dir: str | Path | None = None) -> Path:
+    """Write checkpoint `step-<state.step>` atomically, point `latest` at it, prune old ones.
+    `model_dir`: the policy's Hugging Face folder, whose non-weight files are kept along."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:06d}"
@@ -75,6 +82,8 @@ def save_checkpoint(root: str | Path, backend: Checkpointable, state: RunState,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     backend.save_state(tmp / "backend")
+    if model_dir is not None:
+        copy_model_files(model_dir, tmp / MODEL_FILES)
     state.rng = capture_rng()
     with (tmp / "run_state.pkl").open("wb") as f:
         pickle.dump(state, f)
@@ -88,6 +97,16 @@ def save_checkpoint(root: str | Path, backend: Checkpointable, state: RunState,
     _prune(root, keep_last)
     log.info("checkpoint %s written", final)
     return final
+
+
+def copy_model_files(model_dir: str | Path, dst: str | Path, skip: tuple[str, ...] = ()) -> None:
+    """Copy a Hugging Face folder's files except its weights (config, generation config,
+    tokenizer files, chat template) and those named in `skip` into `dst`."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and path.name not in skip:
+            shutil.copy2(path, dst / path.name)
 
 
 def _prune(root: Path, keep_last: int) -> None:
