@@ -24,7 +24,8 @@ from rollout.engine import Sampling, TokenOutput
 from rollout.gate import TurnGate
 from rollout.recorder import Budgets, TrajectoryRecorder
 from rollout.router import Router
-from rollout.tool_parser import ParsedTurn, parse_tool_calls, validate_arguments
+from rollout.parsers import parse_generation
+from rollout.tool_parser import ParsedTurn, validate_arguments
 from envs.types import Message, Task, TerminationReason, ToolCall, Trajectory
 
 from envs.plugins import resolve_plugin
@@ -122,9 +123,9 @@ class AgentContext:
         return routed.output
 
     def text_of(self, out: TokenOutput) -> str:
-        """The generated text, without the end-of-turn token the engine stopped on."""
+        """The generated text, without the stop token the engine stopped on."""
         ids = out.token_ids.tolist()
-        if ids and ids[-1] == self.chat.end_of_turn_id:
+        if ids and ids[-1] in (getattr(self.chat, "stop_token_ids", None) or (self.chat.end_of_turn_id,)):
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -239,9 +240,13 @@ class ToolAgentLoop:
             out = await ctx.generate()
             if out.finish_reason == "abort":
                 return rec.finish(TerminationReason.ERROR, "generation was aborted")
-            text = ctx.text_of(out)
-            transcript.append(Message("assistant", text))
-            parsed = parse_tool_calls(text, ctx.settings.max_tool_calls_per_turn)
+            # vLLM's parsers of the family (rollout.parsers), as a server would read the turn;
+            # the transcript keeps reasoning apart so that a re-render treats it as the template does.
+            parsed = parse_generation(ctx.chat, ctx.tokenizer, out.token_ids, tools=ctx.tool_schemas,
+                                      max_calls=ctx.settings.max_tool_calls_per_turn,
+                                      prompt_ids=rec.context_ids[:rec.sent_prefix_lengths[-1]])
+            rec.record_tool_parse(parsed.status)
+            transcript.append(Message("assistant", parsed.content, parsed.calls, reasoning=parsed.reasoning))
             if not parsed.calls and not parsed.errors:
                 reason = TerminationReason.MAX_TOKENS if out.finish_reason == "length" else TerminationReason.FINISHED
                 return rec.finish(reason)

@@ -40,10 +40,19 @@ class RolloutConfig:
 class AgentConfig:
     loop: str = knob("rollout.agent_loop:ToolAgentLoop", "Default AgentLoop class as an import "
                      "string 'package.module:Class'; a task's own agent_loop overrides it.")
-    chat_family: Literal["auto", "tiny", "chatml", "qwen2_5", "qwen3", "llama3"] = knob(
-        "auto", "Chat-template family of the token-continuity builder; auto: from the tokenizer.")
-    keep_thinking: bool = knob(True, "Keep <think> blocks of earlier turns in the context "
-                               "(False starts a new segment without them).")
+    chat_family: Literal["auto", "tiny", "chatml", "qwen2_5", "qwen3", "qwen3_5", "qwen3_6",
+                         "nemotron_3", "llama3", "llama3_json", "glm45", "lfm2", "lfm2_5", "phi3",
+                         "gemma3", "deepseek_v3", "gptoss", "gemma4"] = knob(
+        "auto", "Chat-template family (rollout.chat.FAMILIES, docs/parsers.md); auto: detected "
+        "from the tokenizer's template. Either way the start-up self-check verifies it.")
+    tool_parser: str = knob("auto", "vLLM tool-call parser (a --tool-call-parser name: hermes, "
+                            "qwen3_coder, glm45, llama3_json, mistral, kimi_k2, lfm2, ...); auto: "
+                            "the chat family's; none: no tool calls are parsed.")
+    reasoning_parser: str = knob("auto", "vLLM reasoning parser (a --reasoning-parser name: "
+                                 "qwen3, glm45, deepseek_r1, ...); auto: the chat family's; none: "
+                                 "reasoning stays in the content.")
+    keep_thinking: bool = knob(True, "Keep the reasoning of turns before a user message in the "
+                               "context as generated (False starts a new segment without it).")
     continuity_check: bool = knob(False, "Debug: compare incremental ids with a full re-render "
                                   "every turn and report the first divergence.")
     max_turns: int = knob(8, "Model turns per trajectory before it ends with max_turns.")

@@ -91,6 +91,13 @@ class TrajectoryRecorder:
                                version=version, cached_prompt_tokens=out.cached_prompt_tokens,
                                generate_s=generate_s, queue_s=queue_s))
 
+    def record_tool_parse(self, status: str) -> None:
+        """What the tool parser made of the last generation (a ParseStatus), for the
+        `rollout/tool_parse/*` counts."""
+        if not self.turns:
+            raise RuntimeError("a parse status must follow a generation")
+        self.turns[-1] = replace(self.turns[-1], tool_parse_status=status)
+
     def fits_observation(self, num_tokens: int) -> TerminationReason | None:
         """None if `num_tokens` more fit; otherwise the reason the trajectory must end."""
         if len(self._context) + num_tokens >= self.budgets.max_context_tokens:

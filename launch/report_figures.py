@@ -1,0 +1,464 @@
+"""Run-report figures: plotly figures built from `launch.report_data` records, one
+function per panel. Each returns a `Panel` (figure plus the sentence that says how to read
+it) or None when its inputs are absent, so a partial run gives a partial report.
+
+plotly is imported inside the functions: `launch.report --help` and the data checks stay
+fast, and the rest of the package never pays for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from launch.report_data import Events, Series, TrajectorySpan, TurnEvent, trajectories_by_step
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+QUEUE_COLOR, TOOL_COLOR, ERROR_COLOR, PUSH_COLOR = "#b8b8b8", "#f28e2b", "#d62728", "#e0245e"
+MAX_BOXES = 20  # per-task / per-tool panels show the busiest this many
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    key: str  # stable id: the HTML anchor and the wandb key
+    title: str
+    figure: "go.Figure"
+    caption: str
+
+
+def _layout(fig: "go.Figure", title: str, height: int = 340, **axes: Any) -> "go.Figure":
+    fig.update_layout(title=dict(text=title, x=0.01), height=height, template="plotly_white",
+                      margin=dict(l=60, r=30, t=60, b=45), hovermode="closest",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.35), **axes)
+    return fig
+
+
+# --- timeline -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TimelineRows:
+    """Trajectories packed into lanes: within a row group (an engine or a sandbox) a
+    trajectory takes the lowest lane free when it starts, so a band's height is the
+    group's peak concurrency."""
+
+    lane_of: dict[tuple[int, str], int]
+    bands: list[tuple[str, int, int]]  # (label, first lane, lanes)
+
+
+def pack_lanes(spans: Sequence[TrajectorySpan], row_of: dict[tuple[int, str], str]) -> TimelineRows:
+    by_row: dict[str, list[TrajectorySpan]] = defaultdict(list)
+    for s in spans:
+        by_row[row_of[(s.step, s.traj)]].append(s)
+    lane_of: dict[tuple[int, str], int] = {}
+    bands, offset = [], 0
+    for label in sorted(by_row):
+        busy: list[tuple[float, int]] = []  # (end, lane) of trajectories still running
+        free: list[int] = []
+        lanes = 0
+        for s in sorted(by_row[label], key=lambda s: s.t0):
+            while busy and busy[0][0] <= s.t0:
+                heapq.heappush(free, heapq.heappop(busy)[1])
+            lane = heapq.heappop(free) if free else lanes
+            lanes = max(lanes, lane + 1)
+            heapq.heappush(busy, (s.t1, lane))
+            lane_of[(s.step, s.traj)] = offset + lane
+        bands.append((label, offset, lanes))
+        offset += lanes
+    return TimelineRows(lane_of, bands)
+
+
+def window_steps(events: Events, max_turns: int) -> tuple[list[int], str]:
+    """The latest steps whose turns fit under `max_turns` (the steady state, after
+    warm-up), and a note when that is not all of them."""
+    counts = Counter(u.step for u in events.turns)
+    steps = sorted(counts)
+    kept, total = [], 0
+    for step in reversed(steps):
+        if kept and total + counts[step] > max_turns:
+            break
+        kept.append(step)
+        total += counts[step]
+    kept.reverse()
+    note = "" if len(kept) == len(steps) else (
+        f" Shown: steps {kept[0]}-{kept[-1]} of {steps[0]}-{steps[-1]} ({total} of "
+        f"{sum(counts.values())} turns; raise --max-timeline-turns for more).")
+    return kept, note
+
+
+def slowest_spans(spans_by_step: dict[int, list[TrajectorySpan]], k: int) -> list[TrajectorySpan]:
+    """The k longest trajectories (first turn's gate to last turn's end) of each step:
+    the ones that held it."""
+    return [s for step in sorted(spans_by_step)
+            for s in sorted(spans_by_step[step], key=lambda s: -s.duration_s)[:k]]
+
+
+def _hover(u: TurnEvent, slow: bool) -> str:
+    text = (f"<b>{u.traj}</b> turn {u.turn} (trained at step {u.step})<br>task {u.task}<br>"
+            f"engine {u.engine} · version {u.version}" + (f" · sandbox {u.sandbox}" if u.sandbox else "")
+            + f"<br>queue {u.queue_s:.3g}s · generate {u.generate_s:.3g}s · tool {u.tool_s:.3g}s"
+            f"<br>{u.tokens} tokens · {u.tool_calls} tool calls ({u.tool_errors} errors)")
+    if u.tools:
+        text += "<br>tools " + ", ".join(u.tools)
+    if u.end:
+        text += f"<br>ended: {u.end}"
+    return text + ("<br><b>one of the slowest of its step</b>" if slow else "")
+
+
+def _segments(turns: Sequence[TurnEvent], lane_of: dict[tuple[int, str], int], origin: float,
+              slow: set[tuple[int, str]]) -> dict[str, dict[str, list[Any]]]:
+    """Bar columns per segment kind: each turn is queue, then generate, then tool."""
+    parts = {k: defaultdict(list) for k in ("queue", "generate", "tool")}
+    for u in turns:
+        key = (u.step, u.traj)
+        start = u.t0 - origin
+        is_slow = key in slow
+        for kind, length in (("queue", u.queue_s), ("generate", u.generate_s), ("tool", u.tool_s)):
+            if length > 0:
+                col = parts[kind]
+                col["base"].append(start)
+                col["x"].append(length)
+                col["y"].append(lane_of[key])
+                col["text"].append(_hover(u, is_slow))
+                col["line"].append(1.6 if is_slow else 0.0)
+                col["color"].append(u.version if kind == "generate" else
+                                    ERROR_COLOR if u.tool_errors else TOOL_COLOR)
+            start += length
+    return parts
+
+
+def _push_marks(fig: "go.Figure", events: Events, origin: float, top: float) -> None:
+    """A red band while the turn gates were closed for each push, and a hoverable
+    marker above it."""
+    xs, texts = [], []
+    for p in events.pushes:
+        closed = p.t0 + p.prepare_s - origin
+        fig.add_shape(type="rect", x0=closed, x1=closed + max(p.gates_closed_s, 1e-3), y0=0, y1=1,
+                      yref="paper", fillcolor=PUSH_COLOR, opacity=0.25, line_width=0, layer="below")
+        fig.add_shape(type="line", x0=closed, x1=closed, y0=0, y1=1, yref="paper",
+                      line=dict(color=PUSH_COLOR, width=1, dash="dot"))
+        xs.append(closed)
+        texts.append(f"push of version {p.version} (after step {p.step})<br>prepare "
+                     f"{p.prepare_s:.3g}s (gates open) · gates closed {p.gates_closed_s:.3g}s")
+    if xs:
+        import plotly.graph_objects as go
+
+        fig.add_trace(go.Scatter(x=xs, y=[top] * len(xs), mode="markers", name="weight push",
+                                 marker=dict(symbol="triangle-down", size=9, color=PUSH_COLOR),
+                                 hovertext=texts, hoverinfo="text"))
+
+
+def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
+                   slowest_per_step: int = 3) -> Panel | None:
+    """Trajectory timeline: one lane per concurrently running trajectory, grouped by
+    engine (or sandbox), bars for queue / generate / tool, generate coloured by policy
+    version, weight pushes marked, the slowest trajectories of each step outlined."""
+    import plotly.graph_objects as go
+
+    if by == "sandbox":
+        turns = [u for u in events.turns if u.sandbox]
+    else:
+        turns = list(events.turns)
+    if not turns:
+        return None
+    steps, note = window_steps(Events(turns=turns), max_turns)
+    keep = set(steps)
+    turns = [u for u in turns if u.step in keep]
+    spans_by_step = trajectories_by_step(turns)
+    spans = [s for ss in spans_by_step.values() for s in ss]
+    row_of = {(s.step, s.traj): (s.engine if by == "engine" else s.turns[0].sandbox or "?")
+              for s in spans}
+    rows = pack_lanes(spans, row_of)
+    slow = {(s.step, s.traj) for s in slowest_spans(spans_by_step, slowest_per_step)}
+    origin = min([u.t0 for u in events.turns] + [p.t0 for p in events.pushes]
+                 + [s.t0 for s in events.steps])
+    parts = _segments(turns, rows.lane_of, origin, slow)
+    versions = [u.version for u in turns if u.version is not None] or [0]
+    fig = go.Figure()
+    styles = {"queue": ("queue (turn gate, sandbox)", QUEUE_COLOR),
+              "generate": ("generate (colour: policy version)", None),
+              "tool": ("tool (red: with errors)", TOOL_COLOR)}
+    for kind, (name, _) in styles.items():
+        col = parts[kind]
+        if not col["x"]:
+            continue
+        marker: dict[str, Any] = dict(line=dict(width=col["line"], color="#111"))
+        if kind == "generate":
+            marker.update(color=col["color"], colorscale="Viridis", cmin=min(versions),
+                          cmax=max(max(versions), min(versions) + 1),
+                          colorbar=dict(title="policy<br>version", len=0.6, y=0.4))
+        else:
+            marker.update(color=col["color"] if kind == "tool" else QUEUE_COLOR)
+        fig.add_trace(go.Bar(orientation="h", base=col["base"], x=col["x"], y=col["y"],
+                             width=0.8, name=name, marker=marker, hovertext=col["text"],
+                             hoverinfo="text"))
+    lanes = sum(n for _, _, n in rows.bands)
+    _push_marks(fig, events, origin, lanes + 0.5)
+    for _, first, _ in rows.bands[1:]:
+        fig.add_hline(y=first - 0.5, line=dict(color="#444", width=1))
+    label = "engine" if by == "engine" else "sandbox"
+    _layout(fig, f"Trajectory timeline by {label}", height=int(min(max(140 + 12 * lanes, 420), 1600)),
+            barmode="overlay", bargap=0.1,
+            xaxis=dict(title="seconds since the first event", zeroline=False),
+            yaxis=dict(tickvals=[first + (n - 1) / 2 for _, first, n in rows.bands],
+                       ticktext=[name for name, _, _ in rows.bands], title=label,
+                       range=[-0.6, lanes + 1], zeroline=False, showgrid=False))
+    caption = (f"Each lane is one trajectory at a time on its {label}; a trajectory's turns "
+               "are queue (grey), generate (coloured by the policy version that produced "
+               "it), tool (orange, red with errors). Dotted red lines and bands: the turn "
+               f"gates closed for a weight push. Black outlines: the {slowest_per_step} "
+               "slowest trajectories of each step (the ones that held it). Drag to zoom, "
+               "double-click to reset, hover for the turn." + note)
+    return Panel(f"timeline_{label}", f"Timeline by {label}", fig, caption)
+
+
+# --- environment time ---------------------------------------------------------------------
+
+def build_exec_histogram(series: Series) -> Panel | None:
+    """Sandbox command durations over the whole run (env/exec_s_hist/le_<bound> buckets)."""
+    import plotly.graph_objects as go
+
+    prefix = "env/exec_s_hist/le_"
+    buckets = {k.removeprefix(prefix): sum(v) for k, (_, v) in series.items() if k.startswith(prefix)}
+    if not buckets:
+        return None
+    order = sorted(buckets, key=lambda b: math.inf if b == "inf" else float(b))
+    finite = [b for b in order if b != "inf"]
+    labels = [f"≤ {b} s" if b != "inf" else f"> {finite[-1] if finite else 0} s" for b in order]
+    fig = go.Figure(go.Bar(x=labels, y=[buckets[b] for b in order], marker_color=TOOL_COLOR,
+                           hovertemplate="%{x}: %{y:.0f} commands<extra></extra>"))
+    _layout(fig, "Sandbox command durations (whole run)", xaxis=dict(title="duration bucket"),
+            yaxis=dict(title="commands"))
+    return Panel("env_exec_hist", "Sandbox command durations", fig,
+                 f"{sum(buckets.values()):.0f} sandbox commands (tool calls and grading), "
+                 "counted by the sandbox pool into duration buckets.")
+
+
+def _boxes(groups: dict[str, list[float]], title: str, axis: str) -> "go.Figure":
+    import plotly.graph_objects as go
+
+    busiest = sorted(groups, key=lambda k: -len(groups[k]))[:MAX_BOXES]
+    fig = go.Figure([go.Box(y=groups[k], name=k, boxpoints="outliers", marker_color=TOOL_COLOR,
+                            showlegend=False) for k in sorted(busiest)])
+    return _layout(fig, title, yaxis=dict(title=axis, rangemode="tozero"))
+
+
+def build_tool_time_by_task(events: Events) -> Panel | None:
+    """Tool time per turn (turns that called a tool) for the busiest tasks."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for u in events.turns:
+        if u.tool_calls:
+            groups[u.task].append(u.tool_s)
+    if not groups:
+        return None
+    fig = _boxes(groups, "Tool time per turn, by task", "seconds")
+    shown = min(len(groups), MAX_BOXES)
+    return Panel("env_by_task", "Tool time by task", fig,
+                 f"Per turn that called a tool: the time its calls ran, {shown} of {len(groups)} "
+                 "tasks (those with the most such turns).")
+
+
+def build_tool_time_by_tool(events: Events) -> Panel | None:
+    """Tool time per turn by the tools the turn called; one 'all tools' box when the
+    events carry no tool names."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for u in events.turns:
+        if u.tool_calls:
+            groups["+".join(sorted(set(u.tools))) if u.tools else "all tools"].append(u.tool_s)
+    if not groups:
+        return None
+    named = list(groups) != ["all tools"]
+    caption = ("Per turn that called tools: the time they ran, by the set of tools the turn "
+               "called." if named else "Per turn that called tools: the time they ran. The "
+               "events carry no tool names (a 'tools' field on turn events), so all tools "
+               "share one box.")
+    return Panel("env_by_tool", "Tool time by tool", _boxes(groups, "Tool time per turn, by tool",
+                                                             "seconds"), caption)
+
+
+def build_turn_time_histogram(events: Events) -> Panel | None:
+    """Where a turn's time goes: generate vs tool vs queue, over all recorded turns."""
+    import plotly.graph_objects as go
+
+    if not events.turns:
+        return None
+    fig = go.Figure()
+    for name, attr, color in (("generate", "generate_s", "#4c78a8"), ("tool", "tool_s", TOOL_COLOR),
+                              ("queue", "queue_s", QUEUE_COLOR)):
+        values = [getattr(u, attr) for u in events.turns if getattr(u, attr) > 0]
+        if values:
+            fig.add_trace(go.Histogram(x=values, name=name, marker_color=color, opacity=0.65,
+                                       nbinsx=40))
+    _layout(fig, "Time per turn", barmode="overlay", xaxis=dict(title="seconds"),
+            yaxis=dict(title="turns", type="log"))
+    return Panel("turn_time_hist", "Time per turn", fig,
+                 f"{len(events.turns)} recorded turns: distributions of their generate, tool "
+                 "and queue time (zero-length parts left out; log count axis).")
+
+
+# --- over steps ---------------------------------------------------------------------------
+
+def build_lines(series: Series, key: str, title: str, keys: Sequence[str], caption: str, *,
+                y_title: str = "", y2_keys: Sequence[str] = (), y2_title: str = "",
+                y_range: Sequence[float] | None = None) -> Panel | None:
+    """Step on x, one line per present key (right axis for `y2_keys`); None when none is
+    present."""
+    import plotly.graph_objects as go
+
+    present = [k for k in (*keys, *y2_keys) if k in series]
+    if not present:
+        return None
+    fig = go.Figure()
+    for k in present:
+        steps, values = series[k]
+        single = len(steps) < 3  # a held-out eval before and after: markers, not a line
+        fig.add_trace(go.Scatter(x=steps, y=values, name=k, mode="lines+markers" if single or
+                                 len(steps) < 60 else "lines", yaxis="y2" if k in y2_keys else "y"))
+    axes: dict[str, Any] = dict(xaxis=dict(title="step"), yaxis=dict(title=y_title))
+    if y_range is not None:
+        axes["yaxis"]["range"] = list(y_range)
+    if any(k in y2_keys for k in present):
+        axes["yaxis2"] = dict(title=y2_title, overlaying="y", side="right", showgrid=False,
+                              rangemode="tozero")
+    return Panel(key, title, _layout(fig, title, **axes), caption)
+
+
+def per_step_delta(steps: list[int], totals: list[float]) -> tuple[list[int], list[float]]:
+    """A cumulative counter as the amount added at each step."""
+    out, last = [], 0.0
+    for value in totals:
+        out.append(max(value - last, 0.0))
+        last = value
+    return steps, out
+
+
+def derived_series(series: Series) -> Series:
+    """Keys the report computes from others: tokens per second, drops per step."""
+    out: Series = {}
+    tokens, step_s = series.get("rollout/tokens_generated"), series.get("timing/step_s")
+    if tokens and step_s:
+        seconds = dict(zip(*step_s))
+        pairs = [(s, t / seconds[s]) for s, t in zip(*tokens) if seconds.get(s, 0) > 0]
+        if pairs:
+            out["report/generated_tokens_per_s"] = ([s for s, _ in pairs], [v for _, v in pairs])
+    for key in [k for k in series if k.startswith("buffer/dropped_")] + ["staleness/dropped_groups"]:
+        if key in series:
+            out[f"report/{key.split('/')[-1]}_per_step"] = per_step_delta(*series[key])
+    return out
+
+
+def build_end_reasons(series: Series) -> Panel | None:
+    import plotly.graph_objects as go
+
+    keys = sorted(k for k in series if k.startswith("end/"))
+    if not keys:
+        return None
+    fig = go.Figure([go.Bar(x=series[k][0], y=series[k][1], name=k.removeprefix("end/"))
+                     for k in keys])
+    _layout(fig, "How trained trajectories ended", barmode="stack", xaxis=dict(title="step"),
+            yaxis=dict(title="trajectories"))
+    return Panel("end_reasons", "End reasons", fig,
+                 "Termination reasons of the trajectories each step trained on.")
+
+
+def build_drop_bias(events: Events) -> Panel | None:
+    """Staleness of the trained trajectories by their number of turns and by their
+    length, and (when the events carry drops) the share of groups dropped per turn
+    count: long trajectories are the stale ones, and the bound drops them first."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    spans = [s for ss in trajectories_by_step(events.turns).values() for s in ss
+             if s.oldest_version is not None]
+    if not spans and not events.drops:
+        return None
+    with_drops = bool(events.drops)
+    fig = make_subplots(rows=1, cols=3 if with_drops else 2, subplot_titles=(
+        "staleness by turns", "staleness by length (token quartile)",
+        *(["share of groups dropped, by mean turns"] if with_drops else [])))
+    stale = [s.step - 1 - (s.oldest_version or 0) for s in spans]
+    fig.add_trace(go.Box(x=[len(s.turns) for s in spans], y=stale, name="by turns",
+                         marker_color="#4c78a8", showlegend=False), 1, 1)
+    if spans:
+        cuts = sorted(s.tokens for s in spans)
+        edges = [cuts[min(int(q * len(cuts)), len(cuts) - 1)] for q in (0.25, 0.5, 0.75)]
+        quart = [f"Q{1 + sum(s.tokens > e for e in edges)}" for s in spans]
+        fig.add_trace(go.Box(x=quart, y=stale, name="by length", marker_color="#72b7b2",
+                             showlegend=False), 1, 2)
+        fig.update_xaxes(categoryorder="category ascending", row=1, col=2)
+    if with_drops:
+        _drop_share(fig, spans, events)
+    _layout(fig, "Staleness and drop bias", height=360)
+    fig.update_yaxes(title_text="versions stale", row=1, col=1)
+    caption = ("Staleness (versions between the policy that generated a trajectory's oldest "
+               "token and the one that trained on it) of the trained trajectories.")
+    caption += (" Right: of the groups of each mean turn count, the share the staleness bound "
+                "dropped." if with_drops else " Dropped groups are counted (staleness plot) but "
+                "the events do not describe them ('drop' events), so the drop share by length "
+                "is not drawn.")
+    return Panel("drop_bias", "Staleness and drop bias", fig, caption)
+
+
+def _drop_share(fig: "go.Figure", spans: Sequence[TrajectorySpan], events: Events) -> None:
+    import plotly.graph_objects as go
+
+    trained: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for s in spans:
+        trained[(s.step, s.traj.rsplit("/", 1)[0])].append(len(s.turns))
+    kept = Counter(round(sum(t) / len(t)) for t in trained.values())
+    dropped = Counter(round(d.turns) for d in events.drops if d.turns is not None)
+    buckets = sorted(set(kept) | set(dropped))
+    fig.add_trace(go.Bar(x=buckets, y=[dropped[b] / (dropped[b] + kept[b]) for b in buckets],
+                         marker_color=ERROR_COLOR, showlegend=False,
+                         hovertext=[f"{dropped[b]} dropped, {kept[b]} trained" for b in buckets],
+                         hoverinfo="text+x"), 1, 3)
+
+
+def build_step_panels(series: Series, events: Events) -> list[Panel]:
+    """The over-steps panels, in reading order; absent inputs leave their panel out."""
+    s = {**series, **derived_series(series)}
+    panels = [
+        build_lines(s, "reward", "Reward and held-out eval", ["reward/mean", "eval/reward_mean"],
+                    "Training reward of each step's groups; held-out reward (eval/*) where "
+                    "evaluated (before any step is step 0).", y_title="reward"),
+        build_lines(s, "idle", "Idle ratios", ["perf/rollout_idle_ratio", "perf/trainer_idle_ratio"],
+                    "Share of each step's wall time the engines (sampled) and the trainer "
+                    "(waiting for groups) were idle.", y_title="idle share", y_range=(0, 1.02)),
+        build_lines(s, "staleness", "Staleness", ["staleness/mean", "staleness/max"],
+                    "Versions between generation and training of each step's trajectories; "
+                    "right axis: groups dropped by the staleness bound (and other reasons) "
+                    "at each step.", y_title="versions",
+                    y2_keys=sorted(k for k in s if k.startswith("report/") and k.endswith("_per_step")),
+                    y2_title="groups dropped"),
+        build_drop_bias(events),
+        build_lines(s, "prefix_cache", "Prefix-cache hit rate",
+                    ["rollout/prefix_cache_hit_rate", "rollout/prefix_cache_hit_rate_vllm"],
+                    "Prompt tokens served from the engines' prefix cache: per request of the "
+                    "trained trajectories, and vLLM's own counters.", y_title="hit rate",
+                    y_range=(0, 1.02)),
+        build_lines(s, "throughput", "Tokens per second",
+                    ["report/generated_tokens_per_s", "perf/train_tokens_per_s"],
+                    "Generated tokens of the trained trajectories over the step's wall time, "
+                    "and the trainer's tokens per second.", y_title="tokens / s"),
+        build_lines(s, "step_time", "Step time",
+                    ["timing/step_s", "timing/train_s", "perf/weight_sync_s",
+                     "perf/weight_gates_closed_s", "timing/eval_s"],
+                    "Wall time of each step and its parts; gates_closed is the part of the "
+                    "weight push that held turns.", y_title="seconds"),
+        build_lines(s, "occupancy", "Occupancy",
+                    ["buffer/size", "buffer/running", "rollout/trajectories_running",
+                     "env/sandboxes_in_use"],
+                    "At the end of each step: groups buffered and running, trajectories "
+                    "running, sandboxes leased.", y_title="count"),
+        build_lines(s, "env_time", "Environment time",
+                    ["env/exec_s", "env/exec_s_p50", "env/exec_s_p99", "env/queue_wait_s"],
+                    "Sandbox command time (mean, p50, p99) and the wait for a sandbox, per step.",
+                    y_title="seconds"),
+        build_end_reasons(s),
+    ]
+    return [p for p in panels if p is not None]

@@ -1,0 +1,205 @@
+"""The run report's readers and page on broken and partial inputs: torn, malformed and
+missing files give a partial report that names what was skipped, or a ValueError that
+says what to pass; never a crash. Plus the hand-checkable joins (staleness from events,
+lanes, the step window)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.report import build_part, build_report, latest_run, main, ReportOptions
+from launch.report_data import (Events, event_series, load_run, load_trace, read_events,
+                                trajectories_by_step)
+from launch.report_figures import pack_lanes, window_steps
+from report_inputs import write_trace
+
+
+def turn(step: int, traj: str, t0: float, *, turn: int = 0, version: int = 0, **extra) -> dict:
+    row = {"kind": "turn", "step": step, "traj": traj, "task": "t", "turn": turn, "engine": "e0",
+           "version": version, "t0": t0, "queue_s": 0.1, "generate_s": 0.5, "tool_s": 0.4,
+           "tool_calls": 1, "tool_errors": 0, "tokens": 10}
+    return {**row, **extra}
+
+
+def write_lines(path: Path, rows: list) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def broken_run(folder: Path) -> Path:
+    """A run folder with one good row of each kind and every kind of bad row."""
+    folder.mkdir()
+    write_lines(folder / "metrics.jsonl", [
+        {"step": 0, "time": 100.0, "eval/reward_mean": 0.2},
+        {"step": 1, "time": 110.0, "reward/mean": 0.5, "perf/trainer_idle_ratio": 0.3,
+         "note": "text is skipped", "loss/kl": None, "flag": True},
+        "[1, 2, 3]",
+        {"time": 111.0, "reward/mean": 0.9},  # no step
+        {"step": "2", "reward/mean": 0.9},
+        {"step": 2, "time": 120.0, "reward/mean": 0.7, "staleness/mean": NaN_TEXT},
+        '{"step": 3, "time": 130.0, "reward/me',  # torn last write
+    ])
+    with (folder / "events.jsonl").open("wb") as f:
+        good = [turn(1, "g0/0", 100.0), turn(1, "g0/0", 101.0, turn=1, end="finished"),
+                turn(2, "g1/0", 111.0, version=1, end="max_turns"),
+                {"kind": "push", "step": 1, "version": 1, "t0": 109.0, "prepare_s": 0.2,
+                 "gates_closed_s": 0.1},
+                {"kind": "step", "step": 1, "t0": 100.0, "t1": 110.0, "trainer_wait_s": 3.0}]
+        bad = [turn(1, "g0/1", None), turn(1, 7, 100.0), turn(1, "g0/2", 100.0, tool_s=-1.0),
+               {"kind": "push", "step": 1, "t0": 109.0}, {"kind": "gate", "step": 1},
+               {"no": "kind"}, turn(True, "g0/3", 100.0)]
+        f.write(b"".join(json.dumps(r).encode() + b"\n" for r in good + bad))
+        f.write(b"\xff\xfe not utf-8\n")
+        f.write(b'{"kind": "turn", "step": 2, "traj": "g1/1", "t0": 11')  # torn
+    (folder / "config.yaml").write_text("train: {num_steps: [unclosed\n")
+    return folder
+
+
+NaN_TEXT = float("nan")  # json.dumps writes NaN, which the reader must drop
+
+
+def test_reader_keeps_the_good_rows_and_names_the_bad_ones(tmp_path):
+    run = load_run(broken_run(tmp_path / "run"))
+    assert [int(r["step"]) for r in run.metrics] == [0, 1, 2]
+    assert run.metrics[1]["reward/mean"] == 0.5 and "note" not in run.metrics[1]
+    assert "flag" not in run.metrics[1] and "loss/kl" not in run.metrics[1]
+    assert "staleness/mean" not in run.metrics[2]
+    ev = run.events
+    assert (len(ev.turns), len(ev.pushes), len(ev.steps)) == (3, 1, 1)
+    text = "\n".join(run.problems)
+    assert "metrics.jsonl line 3: a JSON list" in text
+    assert "metrics.jsonl line 4: no integer 'step'" in text
+    assert "metrics.jsonl line 7: not JSON" in text
+    assert "events.jsonl line 6: turn event without a number 't0'" in text
+    assert "events.jsonl line 7: turn event without a string 'traj'" in text
+    assert "negative duration" in text
+    assert "more bad rows skipped" in text  # past the first five of a file, counted
+    assert "'gate' x1" in text and "'None' x1" in text  # unknown kinds are ignored, said
+    assert "config.yaml: not readable YAML" in text and run.config == {}
+
+
+def test_a_broken_run_gives_a_partial_report_that_lists_its_problems(tmp_path):
+    folder = broken_run(tmp_path / "run")
+    out = build_report(folder, tmp_path / "report.html")
+    page = out.read_text()
+    assert "Input problems" in page and "events.jsonl line 6" in page
+    assert 'data-report-figure="timeline_engine"' in page
+    assert 'data-report-figure="reward"' in page
+    assert "g0/0" in page  # the good trajectory is on the timeline
+
+
+def test_events_alone_and_metrics_alone_are_partial_reports(tmp_path):
+    only_events, only_metrics = tmp_path / "e", tmp_path / "m"
+    only_events.mkdir()
+    only_metrics.mkdir()
+    write_lines(only_events / "events.jsonl", [turn(1, "g0/0", 5.0, end="finished")])
+    write_lines(only_metrics / "metrics.jsonl", [{"step": 1, "reward/mean": 0.5}])
+    part = build_part(load_run(only_events), ReportOptions())
+    assert {p.key for p in part.panels} >= {"timeline_engine", "env_by_task"}
+    assert any("no metrics.jsonl" in p for p in part.problems)
+    part = build_part(load_run(only_metrics), ReportOptions())
+    assert [p.key for p in part.panels] == ["reward"]
+    assert any("no events.jsonl" in p for p in part.problems)
+
+
+def test_empty_files_give_a_page_without_plots(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("")
+    (folder / "events.jsonl").write_text("\n\n")
+    page = build_report(folder, tmp_path / "r.html").read_text()
+    assert "No plot: the input holds no metric or event" in page
+
+
+def test_clear_errors_for_what_is_not_a_run_or_a_trace(tmp_path, capsys):
+    with pytest.raises(ValueError, match="not a folder: pass a run folder"):
+        load_run(tmp_path / "missing")
+    with pytest.raises(ValueError, match="neither metrics.jsonl nor events.jsonl"):
+        load_run(tmp_path)
+    with pytest.raises(ValueError, match="no such file"):
+        load_trace(tmp_path / "trace.jsonl")
+    (tmp_path / "junk.jsonl").write_text("hello\n{\"kind\": \"turn\"}\n")
+    with pytest.raises(ValueError, match="no turn, push or step events in it"):
+        load_trace(tmp_path / "junk.jsonl")
+    with pytest.raises(ValueError, match="no run folder"):
+        latest_run(tmp_path)
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "report error:" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "nothing to report" in capsys.readouterr().err
+
+
+def test_latest_run_is_the_one_written_last(tmp_path):
+    for name, age in (("a", 30), ("b", 10), ("c", 20)):
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "metrics.jsonl"
+        path.write_text('{"step": 1}\n')
+        os.utime(path, (time.time() - age, time.time() - age))
+    (tmp_path / "not-a-run").mkdir()
+    assert latest_run(tmp_path).name == "b"
+
+
+def test_event_series_match_hand_computed_values(tmp_path):
+    path = tmp_path / "events.jsonl"
+    # step 3 trains two trajectories: one from version 1 (stale 1), one from 0 and 2 (stale 2)
+    write_lines(path, [turn(3, "g0/0", 0.0, version=1, end="finished", tokens=7),
+                       turn(3, "g0/1", 0.0, version=2, tokens=5),
+                       turn(3, "g0/1", 2.0, turn=1, version=0, end="timeout", tokens=4),
+                       {"kind": "step", "step": 3, "t0": 0.0, "t1": 4.0, "trainer_wait_s": 1.0},
+                       {"kind": "push", "step": 3, "version": 3, "t0": 3.5, "prepare_s": 0.25,
+                        "gates_closed_s": 0.125}])
+    series = event_series(read_events(path, []))
+    assert series["staleness/mean"] == ([3], [1.5])
+    assert series["staleness/max"] == ([3], [2.0])
+    assert series["rollout/tokens_generated"] == ([3], [16.0])
+    assert series["perf/trainer_idle_ratio"] == ([3], [0.25])
+    assert series["perf/weight_sync_s"] == ([3], [0.375])
+    assert series["end/finished"] == ([3], [1.0]) and series["end/timeout"] == ([3], [1.0])
+    spans = trajectories_by_step(read_events(path, []).turns)[3]
+    assert sorted(s.duration_s for s in spans) == [1.0, 3.0]
+
+
+def test_lanes_reuse_a_lane_only_after_its_trajectory_ended(tmp_path):
+    path = tmp_path / "events.jsonl"
+    # a: 0-1 s, b: 0.5-1.5 s overlaps a, c: 1.2-2.2 s starts after a ended
+    write_lines(path, [turn(1, "a", 0.0), turn(1, "b", 0.5), turn(1, "c", 1.2),
+                       turn(1, "d", 0.0, engine="e1")])
+    spans = trajectories_by_step(read_events(path, []).turns)[1]
+    rows = pack_lanes(spans, {(s.step, s.traj): s.engine for s in spans})
+    lane = {traj: rows.lane_of[(1, traj)] for traj in "abcd"}
+    assert lane["a"] == lane["c"] != lane["b"]
+    assert rows.bands == [("e0", 0, 2), ("e1", 2, 1)] and lane["d"] == 2
+
+
+def test_window_keeps_the_latest_steps_that_fit():
+    turns = [read_one(turn(s, f"g{s}/{i}", float(s))) for s in (1, 2, 3) for i in range(4)]
+    steps, note = window_steps(Events(turns=turns), max_turns=9)
+    assert steps == [2, 3] and "steps 2-3 of 1-3" in note
+    assert window_steps(Events(turns=turns), max_turns=100) == ([1, 2, 3], "")
+    assert window_steps(Events(turns=turns), max_turns=1)[0] == [3]  # never empty
+
+
+def read_one(row: dict):
+    from launch.report_data import _turn
+
+    return _turn(row)
+
+
+def test_a_trace_alone_draws_sandbox_lanes_tools_and_drop_bias(tmp_path):
+    trace = write_trace(tmp_path / "sim.jsonl")
+    part = build_part(load_trace(trace), ReportOptions(), trace=True)
+    keys = {p.key for p in part.panels}
+    assert {"trace_timeline_engine", "trace_timeline_sandbox", "trace_drop_bias",
+            "trace_staleness", "trace_idle", "trace_throughput"} <= keys
+    by_tool = next(p for p in part.panels if p.key == "trace_env_by_tool")
+    assert {t.name for t in by_tool.figure.data} == {"bash", "python"}
+    drop = next(p for p in part.panels if p.key == "trace_drop_bias").figure
+    assert len(drop.data) == 3  # by turns, by length, drop share
+    share = dict(zip(drop.data[2].x, drop.data[2].y))
+    assert share[4] > 0 and all(v == 0 for b, v in share.items() if b != 4)  # drops: 4 turns
+    assert main(["--trace", str(trace)]) == 0
+    assert trace.with_suffix(".html").is_file()
