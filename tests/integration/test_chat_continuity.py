@@ -9,88 +9,22 @@ with each family's special tokens. No Ray, no engine.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from chat_families import LLAMA, QWEN, train_tokenizer, trl_template
+from envs.types import Message, ToolCall
 from rollout.chat import (FAMILIES, build_continuity_builder, check_continuity, detect_family, encode,
                           render_chat)
-from rollout.tool_parser import parse_tool_calls
-from envs.types import Message, ToolCall
 
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run Python code and return its output.",
     "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
 HEAD = (Message("system", "You solve arithmetic with tools."), Message("user", "What is 12 * 7?"))
-
-# The pre-tokenization of the Qwen2 and Llama 3 vocabularies: a run of newlines is one piece
-# even when a word follows, so the ids at turn boundaries behave as with the real tokenizers.
-FAMILY_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    special: tuple[str, ...]  # never split, hidden by skip_special_tokens
-    markup: tuple[str, ...]  # added, not special: they survive decoding, as in the real vocabularies
-    bos: str | None
-    eos: str
-
-
-QWEN = Vocabulary(("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-                  ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
-                   "</think>"), None, "<|im_end|>")
-LLAMA = Vocabulary(("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                    "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"), (), "<|begin_of_text|>", "<|eot_id|>")
-
-
-def _corpus() -> list[str]:
-    rng = random.Random(0)
-    words = ("the a model tool call result answer compute python print value I will it is done "
-             "should run both checks add one what you solve arithmetic with tools").split()
-    lines = []
-    for _ in range(400):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(3, 9))).capitalize() + "."
-        call = json.dumps({"name": "python", "arguments": {"code": f"print({a} * {b})"}})
-        lines.append(f"{sentence}\n\n{call}\n\nThe answer is {a * b}.\n\n")
-    return lines
-
-
-def train_tokenizer(vocab: Vocabulary, template: str, family_split: bool = True):
-    """A byte-level BPE with the family's tokens, trained in milliseconds."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not family_split)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(FAMILY_SPLIT), "isolated"),
-                                                  byte_level]) if family_split else byte_level)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=list(vocab.special),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.add_tokens(list(vocab.markup))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=vocab.bos, eos_token=vocab.eos,
-                                   clean_up_tokenization_spaces=False)
-    fast.chat_template = template
-    return fast
-
-
-def trl_template(name: str) -> str:
-    """An original template shipped by trl, read without importing trl (it is heavy)."""
-    spec = importlib.util.find_spec("trl")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("trl is not installed (test extra: trl==1.16.0); it ships the original templates")
-    path = Path(next(iter(spec.submodule_search_locations))) / "chat_templates" / f"{name}.jinja"
-    if not path.is_file():
-        pytest.skip(f"the installed trl has no chat_templates/{name}.jinja")
-    return path.read_text()
 
 
 @dataclass(frozen=True)
@@ -100,10 +34,11 @@ class ScriptedTurn:
     observations: tuple[Message, ...]  # what the environment answers (empty: final turn)
 
 
-def hermes_turn(text: str, *observations: Message) -> ScriptedTurn:
-    parsed = parse_tool_calls(text, max_calls=8)
-    assert parsed.errors == ()
-    return ScriptedTurn(text, Message("assistant", parsed.content, parsed.calls), observations)
+def hermes_turn(text: str, *observations: Message, reasoning: str | None = None,
+                calls: tuple[ToolCall, ...] = (), content: str = "") -> ScriptedTurn:
+    """A turn the model writes as `text`; as a message it is `content`, `calls` and
+    `reasoning` apart, as the family's parsers read it."""
+    return ScriptedTurn(text, Message("assistant", content, calls, reasoning=reasoning), observations)
 
 
 def tool(content: str) -> Message:
@@ -118,11 +53,18 @@ def hermes_script(think: bool) -> list[ScriptedTurn]:
     def thought(text: str) -> str:
         return f"<think>\n{text}\n</think>\n\n" if think else ""
 
+    def why(text: str) -> str | None:
+        return text if think else None
+
     first = thought("I should run Python.") + "I will compute it.\n" + call_block("print(12 * 7)")
     second = thought("Both checks.") + call_block("print(84 + 1)") + "\n" + call_block("print(84 - 1)")
-    return [hermes_turn(first, tool("84")),
-            hermes_turn(second, tool("85"), tool("83")),
-            hermes_turn(thought("Done.") + "The answer is 84.")]
+    code = lambda c: ToolCall("python", {"code": c})  # noqa: E731
+    return [hermes_turn(first, tool("84"), reasoning=why("I should run Python."),
+                        calls=(code("print(12 * 7)"),), content="I will compute it."),
+            hermes_turn(second, tool("85"), tool("83"), reasoning=why("Both checks."),
+                        calls=(code("print(84 + 1)"), code("print(84 - 1)"))),
+            hermes_turn(thought("Done.") + "The answer is 84.", reasoning=why("Done."),
+                        content="The answer is 84.")]
 
 
 def llama_script(tool_calls: bool) -> list[ScriptedTurn]:
@@ -147,9 +89,10 @@ class Case:
     detected: str  # what family="auto" must find
 
 
-CASES = {c.template: c for c in (Case("tiny", "tiny", "chatml"), Case("qwen2_5", "qwen2_5", "qwen2_5"),
+CASES = {c.template: c for c in (Case("tiny", "tiny", "tiny"), Case("qwen2_5", "qwen2_5", "qwen2_5"),
                                  Case("qwen3", "qwen3", "qwen3"), Case("llama3", "llama3", "llama3"),
-                                 Case("llama3_1", "llama3", "llama3"), Case("llama3_2", "llama3", "llama3"))}
+                                 Case("llama3_1", "llama3_json", "llama3_json"),
+                                 Case("llama3_2", "llama3_json", "llama3_json"))}
 
 
 def tokenizer_for(case: Case, tiny_model_path: Path):
@@ -157,12 +100,12 @@ def tokenizer_for(case: Case, tiny_model_path: Path):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(tiny_model_path)
-    vocab = LLAMA if case.family == "llama3" else QWEN
+    vocab = LLAMA if case.family.startswith("llama3") else QWEN
     return train_tokenizer(vocab, trl_template(case.template))
 
 
 def script_for(case: Case) -> list[ScriptedTurn]:
-    if case.family == "llama3":
+    if case.family.startswith("llama3"):
         return llama_script(tool_calls=case.template != "llama3")
     return hermes_script(think=case.family == "qwen3")
 
@@ -244,7 +187,8 @@ def test_qwen3_keep_thinking_keeps_generated_thinking_across_a_user_turn():
     run.ids += builder.user_message_ids([follow_up], generation_ended_with_eos=True)
     run.mask += [0] * (len(run.ids) - len(run.mask))
     run.messages.append(follow_up)
-    run = simulate(tokenizer, builder, [hermes_turn("<think>\nAdd one.\n</think>\n\n85.")], start=run)
+    run = simulate(tokenizer, builder, [hermes_turn("<think>\nAdd one.\n</think>\n\n85.", reasoning="Add one.",
+                                                   content="85.")], start=run)
 
     # The template re-renders earlier turns without thinking; the trajectory keeps what the
     # model conditioned on, so the first difference is the first generated <think>.
@@ -270,7 +214,8 @@ def test_qwen3_without_kept_thinking_starts_a_new_segment_on_a_user_turn():
     segment = builder.reset_context(messages, TOOLS)
     assert "I should run Python." not in tokenizer.decode(segment)
     assert segment[:len(run.ids)] != run.ids  # a new training segment, not a continuation
-    second = simulate(tokenizer, builder, [hermes_turn("<think>\nAdd one.\n</think>\n\n85.")],
+    second = simulate(tokenizer, builder, [hermes_turn("<think>\nAdd one.\n</think>\n\n85.", reasoning="Add one.",
+                                                   content="85.")],
                       start=Transcript(segment, [0] * len(segment), [], [], messages))
     assert check_continuity(tokenizer, second.messages, TOOLS, second.ids) is None
 
@@ -291,12 +236,12 @@ def test_qwen3_generation_prompt_follows_template_kwargs():
     assert divergence.position < run.spans[0][0] and run.mask[divergence.position] == 0
 
 
-def test_tiny_and_chatml_names_build_the_same_continuation(tiny_model_path):
+def test_tiny_and_qwen2_5_names_build_the_same_continuation(tiny_model_path):
     tokenizer = tokenizer_for(CASES["tiny"], tiny_model_path)
     messages = [tool("84"), tool("85")]
     ids = {name: build_continuity_builder(tokenizer, name).observation_ids(messages, True)
-           for name in ("tiny", "chatml", "auto")}
-    assert ids["tiny"] == ids["chatml"] == ids["auto"]
+           for name in ("tiny", "qwen2_5", "auto")}
+    assert ids["tiny"] == ids["qwen2_5"] == ids["auto"]
     assert tokenizer.decode(ids["tiny"]) == ("\n<|im_start|>user\n<tool_response>\n84\n</tool_response>"
                                              "\n<tool_response>\n85\n</tool_response><|im_end|>\n"
                                              "<|im_start|>assistant\n")
@@ -311,7 +256,7 @@ def test_builder_rejects_wrong_roles_and_unknown_families(tiny_model_path):
         builder.observation_ids([], True)
     with pytest.raises(ValueError, match="only 'user' messages"):
         builder.user_message_ids([tool("1")], True)
-    with pytest.raises(ValueError, match="supported: auto, tiny, chatml, qwen2_5, qwen3, llama3"):
+    with pytest.raises(ValueError, match="supported: auto, tiny, chatml, qwen2_5, qwen3, "):
         build_continuity_builder(tokenizer, "mistral")
     with pytest.raises(ValueError, match="'<\\|eot_id\\|>' as one token"):
         build_continuity_builder(tokenizer, "llama3")  # a ChatML vocabulary has no <|eot_id|>
@@ -339,7 +284,7 @@ CHATML_TURN = "{{- '<|im_start|>' + m.role + '\\n' + m.content }}"
     # The assistant turn is closed by something other than the stop token.
     ("{%- for m in messages -%}" + CHATML_TURN + "{{- '\\n<|endoftext|>' -}}{%- endfor -%}"
      "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
-     "not with the end-of-turn token"),
+     "not with a stop token of the family"),
 ])
 def test_templates_the_builder_cannot_follow_are_refused(template, match):
     tokenizer = train_tokenizer(QWEN, template)

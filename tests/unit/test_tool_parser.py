@@ -1,175 +1,118 @@
-"""Hermes tool-call parsing: every error kind, limits, lenient arguments, garbage that
-must never raise, and argument validation against OpenAI function schemas."""
+"""What surrounds vLLM's tool parsing, without vLLM: turn statuses and their precedence,
+the explanations a model reads when its call markup was refused, the per-status metric
+counts, and argument validation against OpenAI function schemas. The parsers themselves
+run in tests/integration/test_output_parsers.py."""
 
 from __future__ import annotations
 
 import json
 import random
 
+import numpy as np
 import pytest
 
-from rollout.tool_parser import ParsedTurn, parse_tool_calls, validate_arguments
-from envs.types import ToolCall
+from envs.types import TerminationReason, ToolCall, Trajectory, Turn
+from rollout.tool_parser import (PARSE_STATUSES, TOOL_FORMATS, ParsedTurn, ToolCallError,
+                                 arguments_object, explain_refused_calls, find_call_attempt,
+                                 too_many_error, tool_parse_counts, turn_status, validate_arguments)
+
+HERMES = TOOL_FORMATS["hermes"]
+ECHO = {"type": "function", "function": {"name": "echo", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
 
 
 def block(payload: str) -> str:
     return f"<tool_call>\n{payload}\n</tool_call>"
 
 
-def call_json(name: str = "python", **arguments) -> str:
-    return json.dumps({"name": name, "arguments": arguments})
+def test_a_parsed_turn_derives_its_status_when_none_is_given():
+    call = ToolCall("echo", {"text": "a"})
+    assert ParsedTurn("hi", (), ()).status == "no_call"
+    assert ParsedTurn("", (call,), ()).status == "ok"
+    error = ToolCallError(0, "unclosed_block", "Tool call 1 was opened but never closed")
+    assert ParsedTurn("", (call,), (error,)).status == "unclosed_block"
+    assert ParsedTurn("", (), (), status="malformed_call").status == "malformed_call"
 
 
-def kinds(parsed: ParsedTurn) -> list[str]:
-    return [e.kind for e in parsed.errors]
+def test_turn_status_takes_the_most_severe_problem():
+    ok, unknown, bad_args = ToolCall("echo", {"text": "a"}), ToolCall("shell", {}), ToolCall("echo", {"text": 3})
+    schemas = {"echo": ECHO}
+    assert turn_status([ok], [], schemas) == "ok"
+    assert turn_status([], [], schemas) == "no_call"
+    assert turn_status([ok, unknown], [], schemas) == "unknown_tool"
+    assert turn_status([unknown, bad_args], [], schemas) == "malformed_arguments"
+    assert turn_status([ok], [too_many_error(1, "echo", 1)], schemas) == "too_many"
+    refused = ToolCallError(0, "malformed_call", "x")
+    assert turn_status([unknown], [refused], schemas) == "malformed_call"
+    assert turn_status([unknown], [], None) == "ok"  # no schemas: names and arguments not judged
+    assert PARSE_STATUSES[0] == "unclosed_block" and set(PARSE_STATUSES) >= {
+        "ok", "no_call", "malformed_call", "malformed_arguments", "unknown_tool", "too_many"}
 
 
-def test_single_call_and_content():
-    parsed = parse_tool_calls("Let me compute.\n" + block(call_json(code="print(12 * 7)")), max_calls=4)
-    assert parsed.content == "Let me compute."
-    assert parsed.calls == (ToolCall("python", {"code": "print(12 * 7)"}),)
-    assert parsed.errors == ()
+def test_call_attempts_and_whether_the_last_one_closed():
+    assert find_call_attempt("The answer is 84.", HERMES) is None
+    assert find_call_attempt("x " + block("{}"), HERMES) == (2, True)
+    assert find_call_attempt(block("{}") + "<tool_call>\n{", HERMES) == (0, False)
+    assert find_call_attempt('[TOOL_CALLS]python[ARGS]{"a', TOOL_FORMATS["mistral"]) == (0, True)  # no end marker
 
 
-def test_several_calls_keep_order_and_content_between_them():
-    text = ("First.\n" + block(call_json(code="a")) + "\nthen\n" + block(call_json("search", q="b"))
-            + block(call_json(code="c")) + "\nDone.")
-    parsed = parse_tool_calls(text, max_calls=8)
-    assert [(c.name, dict(c.arguments)) for c in parsed.calls] == [
-        ("python", {"code": "a"}), ("search", {"q": "b"}), ("python", {"code": "c"})]
-    assert parsed.content == "First.\n\nthen\n\nDone."
+@pytest.mark.parametrize("payload,why", [
+    ('{"name": "python", "arguments": {"code": "a"', "Expecting"),
+    ("[1, 2]", "got a JSON array, not an object"),
+    ('{"arguments": {}}', 'no "name" string'),
+    ("", "the block is empty"),
+    ('{"name": "python", "arguments": {"code": "a\n b"}}', "raw newlines"),
+])
+def test_a_refused_json_block_is_explained(payload, why):
+    text = block(json.dumps({"name": "echo", "arguments": {"text": "ok"}})) + block(payload)
+    error = explain_refused_calls(text, HERMES, "hermes", "<tool_call>{...}</tool_call>")
+    assert error.kind == "malformed_call" and error.index == 1
+    assert error.message.startswith("Tool call 2 is not valid JSON") and why in error.message
+    assert error.message.endswith("Expected format: <tool_call>{...}</tool_call>")
 
 
-def test_no_tool_call_is_all_content():
-    assert parse_tool_calls("  The answer is 84.\n", max_calls=2) == ParsedTurn("The answer is 84.", (), ())
+def test_an_unclosed_or_unreadable_block_is_explained():
+    unclosed = explain_refused_calls('<tool_call>\n{"name": "echo"', HERMES, "hermes", "")
+    assert unclosed.kind == "unclosed_block" and "never closed with </tool_call>" in unclosed.message
+    xml = explain_refused_calls("<tool_call>\n<function=echo>\n</tool_call>", TOOL_FORMATS["qwen3_coder"],
+                                "qwen3_coder", "<tool_call>\n<function=NAME>...")
+    assert xml.kind == "malformed_call" and "the qwen3_coder format" in xml.message
+    assert "Expected format: <tool_call>\n<function=NAME>" in xml.message
 
 
-def test_max_calls_keeps_the_first_and_reports_the_rest():
-    text = "".join(block(call_json(code=str(i))) for i in range(5))
-    parsed = parse_tool_calls(text, max_calls=2)
-    assert [c.arguments["code"] for c in parsed.calls] == ["0", "1"]
-    assert kinds(parsed) == ["too_many"] * 3
-    assert [e.index for e in parsed.errors] == [2, 3, 4]
-    assert "at most 2 tool calls" in parsed.errors[0].message
+def test_explanations_never_raise_on_garbage():
+    pieces = ["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", "[", "\n", "\\", "🙂", "\x00", "\ud800"]
+    rng = random.Random(7)
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        if find_call_attempt(text, HERMES) is not None:
+            assert explain_refused_calls(text, HERMES, "hermes", "").message.startswith("Tool call ")
+    deep = block("[" * 100_000)
+    assert "not valid JSON" in explain_refused_calls(deep, HERMES, "hermes", "").message
 
 
-def test_max_calls_counts_only_valid_calls():
-    text = block("{oops") + block(call_json(code="a")) + block(call_json(code="b"))
-    parsed = parse_tool_calls(text, max_calls=1)
-    assert [c.arguments["code"] for c in parsed.calls] == ["a"]
-    assert kinds(parsed) == ["malformed_json", "too_many"]
+@pytest.mark.parametrize("raw,expected", [
+    ('{"code": "a"}', {"code": "a"}), ("", {}), (None, {}), ({"a": 1}, {"a": 1}),
+    ('{"code": "a"', None), ("[1]", None), ('"{}"', None), ("[" * 100_000, None)])
+def test_arguments_must_be_a_json_object(raw, expected):
+    assert arguments_object(raw) == expected
 
 
-def test_zero_max_calls_runs_nothing_and_negative_is_a_config_error():
-    assert kinds(parse_tool_calls(block(call_json(code="a")), max_calls=0)) == ["too_many"]
-    with pytest.raises(ValueError, match="max_calls"):
-        parse_tool_calls("", max_calls=-1)
+def _trajectory(*statuses: str) -> Trajectory:
+    turns = tuple(Turn(index=i, prompt_tokens=1, response_start=i, num_generated=1, num_observation=0,
+                       finish_reason="stop", version=0, tool_parse_status=s) for i, s in enumerate(statuses))
+    n = len(statuses)
+    return Trajectory("t", "g", 0, [1], np.ones(n), np.ones(n), np.full(n, -0.5), np.zeros(n),
+                      TerminationReason.FINISHED, turns)
 
 
-@pytest.mark.parametrize("payload", ['{"name": "python", "arguments": {"code": "print(1)"', "not json",
-                                     "[1, 2]", '"just a string"', "", "   ",
-                                     '{"name": "python", "arguments": {}} trailing words'])
-def test_malformed_json(payload):
-    parsed = parse_tool_calls("x " + block(payload), max_calls=4)
-    assert parsed.calls == ()
-    assert kinds(parsed) == ["malformed_json"]
-    message = parsed.errors[0].message
-    assert message.startswith("Tool call 1 is not valid JSON")
-    assert '{"name": "<tool name>", "arguments"' in message  # the model is shown the format
-    assert parsed.content == "x"
-
-
-@pytest.mark.parametrize("payload", ['{"arguments": {"code": "1"}}', '{"name": "", "arguments": {}}',
-                                     '{"name": 3, "arguments": {}}', '{"name": null}'])
-def test_missing_name(payload):
-    parsed = parse_tool_calls(block(payload), max_calls=4)
-    assert kinds(parsed) == ["missing_name"]
-    assert '"name"' in parsed.errors[0].message
-
-
-@pytest.mark.parametrize("arguments", ["[1]", "3", '"not an object"', '"[1, 2]"', "null", "true"])
-def test_bad_arguments(arguments):
-    parsed = parse_tool_calls(block('{"name": "python", "arguments": ' + arguments + "}"), max_calls=4)
-    assert kinds(parsed) == ["bad_arguments"]
-    assert "must be a JSON object" in parsed.errors[0].message
-    assert "'python'" in parsed.errors[0].message
-
-
-def test_arguments_as_json_encoded_string_are_accepted():
-    payload = json.dumps({"name": "python", "arguments": json.dumps({"code": "print(2)", "n": 3})})
-    parsed = parse_tool_calls(block(payload), max_calls=1)
-    assert parsed.calls == (ToolCall("python", {"code": "print(2)", "n": 3}),)
-
-
-def test_missing_arguments_mean_no_arguments():
-    assert parse_tool_calls(block('{"name": "finish"}'), max_calls=1).calls == (ToolCall("finish", {}),)
-
-
-def test_unclosed_block_at_the_end():
-    parsed = parse_tool_calls("I will run it.\n<tool_call>\n" + call_json(code="1"), max_calls=4)
-    assert parsed.calls == ()
-    assert kinds(parsed) == ["unclosed"]
-    assert "</tool_call>" in parsed.errors[0].message
-    assert parsed.content == "I will run it."
-
-
-def test_unclosed_block_followed_by_a_good_one():
-    text = "<tool_call>\n{\"name\": \"python\"\n" + block(call_json(code="ok"))
-    parsed = parse_tool_calls(text, max_calls=4)
-    assert kinds(parsed) == ["unclosed"]
-    assert parsed.errors[0].index == 0
-    assert parsed.calls == (ToolCall("python", {"code": "ok"}),)
-
-
-def test_close_tag_and_braces_inside_json_strings():
-    code = "print('</tool_call>'); d = {'a': {'b': '}}'}}; s = \"<tool_call>\""
-    parsed = parse_tool_calls(block(call_json(code=code)) + " after", max_calls=4)
-    assert parsed.errors == ()
-    assert parsed.calls == (ToolCall("python", {"code": code}),)
-    assert parsed.content == "after"
-
-
-def test_raw_newlines_inside_strings_are_accepted():
-    payload = '{"name": "python", "arguments": {"code": "for i in range(3):\n    print(i)"}}'
-    assert parse_tool_calls(block(payload), max_calls=1).calls[0].arguments["code"] == (
-        "for i in range(3):\n    print(i)")
-
-
-def test_unicode_names_arguments_and_content():
-    text = "Réponse 🙂 " + block(call_json("recherche", q="日本語 ✓"))
-    parsed = parse_tool_calls(text, max_calls=1)
-    assert parsed.calls == (ToolCall("recherche", {"q": "日本語 ✓"}),)
-    assert parsed.content == "Réponse 🙂"
-
-
-def test_error_indices_follow_block_order():
-    text = block(call_json(code="a")) + block("{bad") + block('{"arguments": {}}') + "<tool_call>{"
-    parsed = parse_tool_calls(text, max_calls=4)
-    assert [(e.index, e.kind) for e in parsed.errors] == [
-        (1, "malformed_json"), (2, "missing_name"), (3, "unclosed")]
-    assert parsed.errors[1].message.startswith("Tool call 3 ")
-
-
-GARBAGE_PIECES = ["<tool_call>", "</tool_call>", "{", "}", "[", "]", '"', "\\", ":", ",", "name",
-                  '"name"', '"arguments"', "python", "\n", " ", "null", "1e999", "-", "🙂", "\x00",
-                  "<tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call>", "\ud800"]
-
-
-def test_garbage_never_raises():
-    rng = random.Random(1234)
-    for _ in range(3000):
-        text = "".join(rng.choice(GARBAGE_PIECES) for _ in range(rng.randint(0, 40)))
-        parsed = parse_tool_calls(text, max_calls=rng.randint(0, 3))
-        assert len(parsed.calls) <= 3
-        assert all(isinstance(c.name, str) and c.name for c in parsed.calls)
-        assert all(isinstance(c.arguments, dict) for c in parsed.calls)
-
-
-def test_pathological_nesting_never_raises():
-    parsed = parse_tool_calls(block("[" * 100_000) + block('{"a":' * 50_000), max_calls=2)
-    assert kinds(parsed) == ["malformed_json", "malformed_json"]
-    deep = json.dumps({"name": "python", "arguments": json.dumps("[" * 100_000)})
-    assert kinds(parse_tool_calls(block(deep), max_calls=2)) == ["bad_arguments"]
+def test_tool_parse_counts_every_status_as_a_metric():
+    counts = tool_parse_counts([_trajectory("ok", "ok", "malformed_call"), _trajectory("no_call"), _trajectory()])
+    assert counts == {f"rollout/tool_parse/{s}": v for s, v in {
+        "unclosed_block": 0.0, "malformed_call": 1.0, "malformed_arguments": 0.0, "unknown_tool": 0.0,
+        "too_many": 0.0, "ok": 2.0, "no_call": 1.0}.items()}
+    assert all(isinstance(v, float) for v in counts.values())
+    assert set(tool_parse_counts([])) == set(counts) and not any(tool_parse_counts([]).values())
 
 
 PYTHON_TOOL = {"type": "function", "function": {
