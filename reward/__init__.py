@@ -6,8 +6,8 @@ protocol and `BUILTIN_REWARDS` for the built-ins.
 """
 
 from reward.base import (BUILTIN_REWARDS, RewardContext, RewardFn, RewardResult, last_model_text,
-                         load_reward_fn, reward_fn_name)
+                         load_reward_fn, model_text, reward_fn_name)
 from reward.workspace import WorkspaceChanges
 
 __all__ = ["BUILTIN_REWARDS", "RewardContext", "RewardFn", "RewardResult", "WorkspaceChanges",
-           "last_model_text", "load_reward_fn", "reward_fn_name"]
+           "last_model_text", "load_reward_fn", "model_text", "reward_fn_name"]

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from envs.sandbox.base import Sandbox, SandboxSpec
-from reward.workspace import WorkspaceChanges
-from envs.types import Task, Trajectory
 from envs.plugins import BUILTINS, resolve_plugin
+from envs.sandbox.base import Sandbox, SandboxSpec
+from envs.types import Task, Trajectory
+from reward.config import HACK_POLICIES, HackPolicy
+from reward.workspace import WorkspaceChanges
 
 if TYPE_CHECKING:
     from reward.judge import JudgeClient
@@ -57,10 +58,17 @@ class RewardContext:
     create_sandbox: SandboxFactory | None = None  # grading sandboxes; None: LocalSandbox.create
     timeout_s: float = 300.0  # reward.timeout_s: the whole computation must fit in it
     judge: JudgeClient | None = None  # the judge model (reward.judge.enabled); None: no judge
+    # Everything the model wrote in the trajectory (`model_text`): its commands and tool
+    # calls, read by the hacking detector; '' falls back to final_text.
+    transcript: str = ""
+    hack_policy: HackPolicy = "report"  # reward.hack_policy: what hacking findings do
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"RewardContext.timeout_s must be > 0, got {self.timeout_s}")
+        if self.hack_policy not in HACK_POLICIES:
+            raise ValueError(f"RewardContext.hack_policy={self.hack_policy!r} is not one of "
+                             f"{HACK_POLICIES}; set reward.hack_policy to 'report' or 'zero'")
 
 
 @runtime_checkable
@@ -113,3 +121,18 @@ def last_model_text(trajectory: Trajectory, decode: Callable[[list[int]], str]) 
     while start > 0 and mask[start - 1] == 1:
         start -= 1
     return decode(trajectory.response_ids[start:end].tolist())
+
+
+def model_text(trajectory: Trajectory, decode: Callable[[list[int]], str]) -> str:
+    """Every run of model-sampled tokens of the trajectory, decoded and joined by newlines:
+    all the model wrote (its tool calls and commands included), never the tool output or
+    the prompt. The hacking detector reads it (RewardContext.transcript)."""
+    mask = trajectory.response_mask
+    model = np.flatnonzero(mask == 1)
+    if len(model) == 0:
+        return ""
+    # Starts of runs: model positions whose predecessor is not a model position.
+    breaks = np.flatnonzero(np.diff(model) != 1) + 1
+    runs = np.split(model, breaks)
+    ids = trajectory.response_ids
+    return "\n".join(decode(ids[r[0]:r[-1] + 1].tolist()) for r in runs)

@@ -8,6 +8,11 @@ from typing import Literal
 
 from envs.knobs import knob, section
 
+# What reward-hacking findings (reward.hacking) do: "report" records them as hack_*
+# components and metrics only; "zero" also sets the trajectory's reward to 0.
+HackPolicy = Literal["report", "zero"]
+HACK_POLICIES: tuple[HackPolicy, ...] = ("report", "zero")
+
 
 @dataclass(frozen=True, slots=True)
 class JudgeConfig:
@@ -27,4 +32,8 @@ class RewardConfig:
     max_concurrency: int = knob(64, "Rewards computed at once per agent-loop worker (each "
                                 "worker scores the groups it produced, on its own node).")
     timeout_s: float = knob(300.0, "Limit of one reward computation; a timeout scores as failure.")
+    hack_policy: Literal["report", "zero"] = knob(
+        "report", "Reward-hacking findings (hack_* components, reward/hack_* metrics): 'report' "
+        "only records them; 'zero' also sets the trajectory's reward to 0. Tampering that the "
+        "grading run itself detects scores 0 either way.")
     judge: JudgeConfig = section(JudgeConfig, "Generative judge served on its own GPU pool.")

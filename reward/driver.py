@@ -8,44 +8,44 @@ write anything that uid can. The driver keeps its verdict out of that process's 
 
 1. it makes itself non-dumpable, so same-uid processes can neither ptrace it nor open its
    file descriptors (its stdout, the only channel to the host) through /proc;
-2. it runs pytest in a child whose stdin/stdout/stderr are a log file, never its own;
+2. it runs the tests in a child (reward.boot, then pytest) whose stdout/stderr are a log
+   file, never its own, with a fresh random key and a pipe: the child's recorder plugin
+   streams one authenticated record per event (reward.recorder), which this process
+   reads as it comes, so no record can be changed after the fact;
 3. when the child ends or its time is up, it SIGKILLs every other process it can signal
-   (kill(-1): daemons the agent's code left behind, still able to rewrite files);
-4. only then it copies the JUnit report into out/, hashes it, re-hashes the protected
-   files, looks for pytest config files that were not there before, and
+   (kill(-1): daemons the agent's code left behind, still able to rewrite files), which
+   also closes every write end of the pipe;
+4. only then it checks the stream (authentication, sequence, nothing after the end),
+   copies the JUnit report and the verified records into out/, hashes both, re-hashes
+   the protected files, looks for pytest config files that were not there before, and
 5. prints one line, `SLUICE-GRADE <nonce> <json>`, and exits 0.
 
-The host trusts that line only together with the report whose hash it names.
+The host trusts that line only together with the files whose hashes it names, and
+cross-checks the two accounts of the run (reward.crosscheck).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import hmac
 import json
 import os
+import random
+import resource
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 PR_SET_DUMPABLE = 4
 LOG_TAIL_BYTES = 4096
-MAX_LISTED = 50  # paths named per finding
-
-# Run in the child as `python3 -I -B -c BOOT runtime workspace pytest-args...`: -I ignores
-# PYTHON* variables, the user site and the current folder; the pytest runtime is put on
-# the path, imported, and only then the workspace (the agent's modules) is added.
-BOOT = ("import sys\n"
-        "runtime, workspace = sys.argv[1], sys.argv[2]\n"
-        "if runtime:\n"
-        "    sys.path.insert(0, runtime)\n"
-        "import pytest\n"
-        "sys.path.insert(0, workspace)\n"
-        "sys.exit(pytest.main(sys.argv[3:]))\n")
+MAX_LISTED = 50  # paths or problems named per finding
+MAC_HEX = 32  # as reward.recorder
 
 
 def make_undumpable() -> bool:
@@ -56,20 +56,92 @@ def make_undumpable() -> bool:
         return False
 
 
-def run_pytest(settings: dict, tmp: str, report: str, log_path: str) -> tuple[int | None, bool]:
-    """Exit code of the pytest child (None if it had to be killed) and whether it timed out."""
+class PipeReader:
+    """Drains the read end of the record pipe in a thread, keeping at most `limit` bytes
+    (the child must never block on a full pipe)."""
+
+    def __init__(self, fd: int, limit: int) -> None:
+        self.data = bytearray()
+        self.overflow = False
+        self._fd, self._limit = fd, limit
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while chunk := os.read(self._fd, 1 << 16):
+            if len(self.data) + len(chunk) <= self._limit:
+                self.data += chunk
+            else:
+                self.overflow = True
+
+    def finish(self, timeout_s: float) -> bool:
+        """Wait for end of file (every writer gone); False if it did not come."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+def record_fd() -> int:
+    """A descriptor number for the record pipe in the child, different per grading and
+    below the open-files limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(16, min(soft if soft > 0 else 1024, 1024) - 8)
+    return random.SystemRandom().randrange(10, top)
+
+
+def run_tests(settings: dict, tmp: str, report: str, log_path: str,
+              key: bytes) -> tuple[int | None, bool, PipeReader]:
+    """Exit code of the test child (None if it had to be killed), whether it timed out,
+    and the reader of its record pipe."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": tmp,
            "TMPDIR": tmp, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONHASHSEED": "0"}
-    argv = [sys.executable, "-I", "-B", "-c", BOOT, settings["runtime"] or "",
-            settings["workspace"], *settings["pytest_args"], f"--junitxml={report}"]
+    read_end, write_end = os.pipe()
+    boot = {"key": key.hex(), "fd_in": write_end, "fd": record_fd(),
+            "runtime": settings["runtime"], "workspace": settings["workspace"],
+            "recorder": settings["recorder"], "recorder_module": settings["recorder_module"],
+            "preload": settings["preload"], "shadow_allowed": settings["shadow_allowed"],
+            "runner_names": settings["runner_names"],
+            "pytest_args": [*settings["pytest_args"], f"--junitxml={report}"]}
+    reader = PipeReader(read_end, settings["max_stream_bytes"])
     with open(log_path, "wb") as log:
-        child = subprocess.Popen(argv, cwd=settings["workspace"], env=env, stdin=subprocess.DEVNULL,
+        child = subprocess.Popen([sys.executable, "-I", "-B", settings["boot"]],
+                                 cwd=settings["workspace"], env=env, stdin=subprocess.PIPE,
                                  stdout=log, stderr=subprocess.STDOUT, close_fds=True,
-                                 start_new_session=True)
-        try:
-            return child.wait(timeout=settings["timeout_s"]), False
-        except subprocess.TimeoutExpired:
-            return None, True
+                                 pass_fds=(write_end,), start_new_session=True)
+    os.close(write_end)  # from now on only the child (and what it starts) can write
+    try:
+        assert child.stdin is not None
+        child.stdin.write(json.dumps(boot).encode())
+        child.stdin.close()
+    except BrokenPipeError:
+        pass  # the child died at once; its exit code says so
+    try:
+        return child.wait(timeout=settings["timeout_s"]), False, reader
+    except subprocess.TimeoutExpired:
+        return None, True, reader
+
+
+def verify_stream(data: bytes, key: bytes, overflow: bool) -> tuple[list[dict], list[str]]:
+    """The records whose authentication holds, in order, and every problem of the stream
+    (a bad or unauthenticated line, a gap in the sequence, records after `finish`)."""
+    records: list[dict] = []
+    problems = ["the record stream exceeded its size limit"] if overflow else []
+    finished = False
+    for number, line in enumerate(bytes(data).split(b"\n")[:-1]):
+        body, _, mac = line.rpartition(b" ")
+        good = hmac.new(key, body, hashlib.sha256).hexdigest()[:MAC_HEX].encode()
+        if not hmac.compare_digest(mac, good):
+            problems.append(f"line {number} of the record stream fails authentication")
+            continue
+        record = json.loads(body)
+        if record.get("s") != len(records):
+            problems.append(f"record {record.get('s')} arrived as number {len(records)}")
+        if finished:
+            problems.append(f"record {record.get('s')} ({record.get('k')}) came after the end")
+        finished = finished or record.get("k") == "finish"
+        records.append(record)
+    if data and not data.endswith(b"\n"):
+        problems.append("the record stream ends inside a line")
+    return records, problems
 
 
 def kill_everything_else() -> None:
@@ -138,29 +210,41 @@ def new_config_files(workspace: str, names: list, known: list, skip_top: list) -
     return sorted(found)
 
 
+def write_out(out_dir: str, name: str, data: bytes) -> str:
+    with open(os.path.join(out_dir, name), "wb") as f:
+        f.write(data)
+    return hashlib.sha256(data).hexdigest()
+
+
 def main() -> int:
     settings = json.loads(sys.stdin.read())
     undumpable = make_undumpable()
     tmp = tempfile.mkdtemp(prefix="grade-")
     report, log_path = os.path.join(tmp, "report.xml"), os.path.join(tmp, "pytest.log")
+    key = os.urandom(32)
     start = time.monotonic()
-    exit_code, timed_out = run_pytest(settings, tmp, report, log_path)
+    exit_code, timed_out, reader = run_tests(settings, tmp, report, log_path, key)
     kill_everything_else()
+    ended = reader.finish(timeout_s=5.0)
+    records, stream_problems = verify_stream(reader.data, key, reader.overflow)
+    if not ended:
+        stream_problems.append("the record pipe stayed open after every process was killed")
     workspace = settings["workspace"]
     out_dir = os.path.join(workspace, settings["out_dir"])
     clear_folder(out_dir)
     data = read_regular(report, settings["max_report_bytes"])
     digest = None
     if data is not None and len(data) <= settings["max_report_bytes"]:
-        with open(os.path.join(out_dir, "report.xml"), "wb") as f:
-            f.write(data)
-        digest = hashlib.sha256(data).hexdigest()
+        digest = write_out(out_dir, "report.xml", data)
+    stream = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
     log_tail = (read_regular(log_path, 1 << 26) or b"")[-LOG_TAIL_BYTES:]
     changed = changed_protected(workspace, settings["protected"])
     new_configs = new_config_files(workspace, settings["config_names"],
                                    settings["known_config_files"], settings["skip_top_dirs"])
     # Lists are cut so the line stays far below the exec's output cap.
     result = {"exit_code": exit_code, "timed_out": timed_out, "report_sha256": digest,
+              "stream_sha256": write_out(out_dir, "records.jsonl", stream),
+              "stream_problems": stream_problems[:MAX_LISTED],
               "undumpable": undumpable, "seconds": round(time.monotonic() - start, 3),
               "changed_protected": changed[:MAX_LISTED],
               "new_config_files": new_configs[:MAX_LISTED],

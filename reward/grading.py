@@ -1,156 +1,167 @@
 """Host-side preparation of a grading workspace: the task source plus the agent's changes,
-with every test-related path reverted to the source's version, the test patch applied,
-the hidden tests, a must-fail sentinel test and the grading driver added.
+with every test-related path reverted to the source's version, then, independently of
+those changes, the test patch's result, the hidden tests, the sentinels among them, the
+grader's own pytest config and the grading programs (driver, start-up, recorder, runtime).
 
-Nothing here runs the agent's code; it only writes files, on this host, into a fresh
-folder that a fresh sandbox is then created from. Which paths count as test-related
-(`is_protected`) is the core of hack resistance: the agent's versions of them are
-dropped, so editing a test, adding a conftest.py or pytest config, planting bytecode or
-a native module that would shadow a test module, or pre-planting files where the
-hidden tests go has no effect on grading.
+Nothing here runs the agent's code or any program in the folder: it only writes files,
+on this host, into a fresh folder that a fresh sandbox is then created from (the test
+patch is applied elsewhere, by reward.patch). Which paths count as protected
+(`ProtectionRules`) is the first line of hack resistance: the agent's versions of them
+are dropped, so editing a test, adding a conftest.py or any file pytest reads config
+from, planting bytecode, a native module or a module named like the standard library or
+the runner, or pre-planting files where the hidden tests go has no effect on grading.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-import secrets
+import random
 import shutil
 import stat
-import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from envs.sandbox.base import Sandbox
-from reward import driver as driver_module
-from reward.runtime import pytest_runtime_zip
-from reward.workspace import WorkspaceChanges
 from envs.types import HIDDEN_TESTS_DIR, Task
+from reward import boot as boot_module
+from reward import driver as driver_module
+from reward import recorder as recorder_module
+from reward.patch import patched_files, patched_paths
+from reward.runner_config import (STARTUP_NAMES, SourceConfig, find_source_config,
+                                  pytest_config_names, render_grader_config, shadow_names,
+                                  source_module_names, top_level_modules)
+from reward.runtime import pytest_runtime_zip
+from reward.sentinels import Sentinel, plant_sentinels
+from reward.workspace import WorkspaceChanges
 
 GRADER_DIR = ".sluice_grading"  # grader-owned folder in the grading workspace
 OUT_DIR = f"{GRADER_DIR}/out"  # where the driver leaves the report (sandbox-writable)
 RUNTIME_ZIP = f"{GRADER_DIR}/pytest-runtime.zip"
 DRIVER = f"{GRADER_DIR}/driver.py"
+BOOT = f"{GRADER_DIR}/boot.py"
+RECORDER = f"{GRADER_DIR}/recorder.py"
+GRADER_CONFIG = f"{GRADER_DIR}/pytest-grader.toml"  # the only config file pytest reads
 # Every file below a folder of one of these names is a test file (helpers included: a
 # patched `assert_close` in tests/helpers.py would pass any test).
 TEST_DIR_NAMES = frozenset({"tests", "test", "testing"})
-# Files that configure pytest or run code at interpreter or pytest start-up.
-CONFIG_NAMES = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
-                "pyproject.toml", "sitecustomize.py", "usercustomize.py")
 # Bytecode, native modules and .pth files: each can stand in for (or hook) a module whose
 # source looks untouched, so the agent's are never applied.
 SHADOW_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".pth")
+_SYSTEM_RANDOM = random.SystemRandom()
+
+
+@functools.cache
+def config_names() -> tuple[str, ...]:
+    """Files that configure pytest or run code at interpreter or pytest start-up."""
+    return (*pytest_config_names(), *STARTUP_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
 class ProtectionRules:
-    """Which workspace paths are test-related; the agent's changes to them are dropped."""
+    """Which workspace paths are protected; the agent's changes to them are dropped."""
 
     visible_tests_dir: str  # workspace folder the agent's tools copy the visible tests to
     patched: frozenset[str]  # files the test patch touches
+    import_roots: tuple[str, ...] = ("",)  # workspace folders on sys.path in the test run
+    source_modules: frozenset[str] = frozenset()  # top-level modules the source defines there
 
-    def is_protected(self, path: str) -> bool:
+    def is_test_path(self, path: str) -> bool:
+        """Tests, their helpers and data, and the folders of the visible and hidden tests
+        and of the grader."""
         *folders, name = path.split("/")
         if path in self.patched or (folders and folders[0] in (
                 GRADER_DIR, HIDDEN_TESTS_DIR, self.visible_tests_dir)):
             return True
-        # Test folders, bytecode caches, and installed-package metadata (whose
-        # entry_points.txt could register a pytest plugin).
-        if any(f in TEST_DIR_NAMES or f == "__pycache__" or f.endswith((".dist-info", ".egg-info"))
-               for f in folders):
+        if any(f in TEST_DIR_NAMES for f in folders):
             return True
-        is_test_file = name.endswith(".py") and (name.startswith("test_")
-                                                 or name.endswith("_test.py"))
-        return is_test_file or name in CONFIG_NAMES or name.endswith(SHADOW_SUFFIXES)
+        return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+    def shadows(self, path: str) -> bool:
+        """A module named like the standard library or the runner, at an import root,
+        that the task source does not itself define."""
+        names = top_level_modules(path, self.import_roots) - self.source_modules
+        return bool(names & shadow_names())
+
+    def is_protected(self, path: str) -> bool:
+        *folders, name = path.split("/")
+        # Bytecode caches and installed-package metadata (whose entry_points.txt could
+        # register a pytest plugin) count too.
+        if any(f == "__pycache__" or f.endswith((".dist-info", ".egg-info")) for f in folders):
+            return True
+        return self.is_test_path(path) or name in config_names() \
+            or name.endswith(SHADOW_SUFFIXES) or self.shadows(path)
 
 
-@dataclass(frozen=True, slots=True)
-class Sentinel:
-    """Two tests that must fail in every grading run: if the report says otherwise, the
-    agent's code tampered with the test process. Names are random per run."""
-
-    nonce: str
-
-    @classmethod
-    def new(cls) -> Sentinel:
-        return cls(secrets.token_hex(6))
-
-    @property
-    def path(self) -> str:
-        return f"{GRADER_DIR}/sentinel/test_g{self.nonce}.py"
-
-    @property
-    def node_ids(self) -> tuple[str, str]:
-        return (f"{self.path}::test_a{self.nonce}", f"{self.path}::test_b{self.nonce}")
-
-    def source(self) -> str:
-        value = int(self.nonce, 16)
-        return (f"def test_a{self.nonce}():\n    assert {value} == {value + 1}\n\n\n"
-                f"def test_b{self.nonce}():\n    raise LookupError('{self.nonce}')\n")
+def build_rules(task: Task, visible_tests_dir: str,
+                source_config: SourceConfig | None) -> ProtectionRules:
+    roots = tuple(dict.fromkeys(("", *(source_config.pythonpath_dirs if source_config else ()))))
+    return ProtectionRules(visible_tests_dir=visible_tests_dir.strip("/"),
+                           patched=patched_paths(task.test_patch), import_roots=roots,
+                           source_modules=source_module_names(task.source_dir, roots))
 
 
 @dataclass(frozen=True, slots=True)
 class GradingLayout:
     """What the prepared folder holds, for the driver's checks and the lock."""
 
-    test_args: tuple[str, ...]  # files or folders handed to pytest (sentinel last)
+    test_args: tuple[str, ...]  # files or folders handed to pytest
     protected: Mapping[str, str]  # path -> sha256 of files the test run must leave alone
     config_files: tuple[str, ...]  # config/start-up files present before the run
     has_conftest: bool
     num_reverted: int  # agent changes to protected paths that were dropped
     not_applied: tuple[str, ...]  # agent changes that could not be applied (through links)
+    sentinels: tuple[Sentinel, ...] = ()  # must-fail tests planted among the tests
+    source_config: SourceConfig | None = None  # the source's pytest options, carried over
+    rules: ProtectionRules | None = None
 
 
-def patched_paths(test_patch: str | None) -> frozenset[str]:
-    """Files a unified diff touches (both sides of renames)."""
-    found = set()
-    for line in (test_patch or "").splitlines():
-        if line.startswith("diff --git "):
-            for token in line.split()[2:4]:
-                found.add(token[2:] if token[:2] in ("a/", "b/") else token)
-        elif line.startswith(("--- ", "+++ ")):
-            token = line[4:].split("\t")[0].strip()
-            if token != "/dev/null":
-                found.add(token[2:] if token[:2] in ("a/", "b/") else token)
-    return frozenset(found)
-
-
-def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str, sentinel: Sentinel,
-                      visible_tests_dir: str = "visible_tests") -> GradingLayout:
+def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
+                      visible_tests_dir: str = "visible_tests",
+                      rng: random.Random = _SYSTEM_RANDOM) -> GradingLayout:
     """Fill the empty folder `dest` with the grading workspace (see the module docstring).
     `visible_tests_dir` is where the agent's tools put the task's visible tests."""
     if task.source_dir is not None:
         if not os.path.isdir(task.source_dir):
             raise ValueError(f"task {task.id!r}: source_dir {task.source_dir!r} is not a folder")
         shutil.copytree(task.source_dir, dest, symlinks=True, dirs_exist_ok=True)
-    rules = ProtectionRules(visible_tests_dir=visible_tests_dir.strip("/"),
-                            patched=patched_paths(task.test_patch))
-    given = _given_files(task.visible_tests, rules.visible_tests_dir)
+    source_config = find_source_config(task.source_dir, _tests_folder(task))
+    rules = build_rules(task, visible_tests_dir, source_config)
+    given = given_files(task.visible_tests, rules.visible_tests_dir)
     num_reverted, not_applied = _apply_changes(dest, changes, rules, given)
-    if task.test_patch:
-        _apply_patch(task, dest)
-    hidden = os.path.join(dest, HIDDEN_TESTS_DIR)
-    if os.path.lexists(hidden):
-        _remove(hidden)
-    if task.hidden_tests is not None:
-        if not os.path.isdir(task.hidden_tests):
-            raise ValueError(f"task {task.id!r}: hidden_tests {task.hidden_tests!r} is not a "
-                             "folder")
-        shutil.copytree(task.hidden_tests, hidden, symlinks=False)
-    _write_grader_files(dest, sentinel)
+    _write_test_patch_result(task, dest)
+    _copy_hidden_tests(task, dest)
+    _write_grader_files(dest, render_grader_config(source_config))
+    test_args = _test_args(task, dest)
+    sentinels = plant_sentinels(dest, _test_files(dest, test_args), rng, rng.choice((2, 3)))
+    test_args += tuple(dict.fromkeys(
+        f for f in (s.node_id.split("::")[0] for s in sentinels)
+        if not any(f == a or f.startswith(a.rstrip("/") + "/") for a in test_args)))
     config_files = _config_files(dest)
-    test_args = _test_args(task, dest) + (sentinel.path,)
     # Every test-related file, not only the ones run: a helper module the tests import
     # later (tests/helpers.py) must not be rewritten by code that ran earlier.
+    grader_files = {DRIVER, BOOT, RECORDER, RUNTIME_ZIP, GRADER_CONFIG}
     protected = {rel: _sha256(os.path.join(dest, rel))
                  for rel in sorted(set(_files_of(dest, test_args)) | set(config_files)
-                                   | _protected_files(dest, rules) | {DRIVER, RUNTIME_ZIP})}
+                                   | _protected_files(dest, rules) | grader_files)}
     return GradingLayout(test_args=test_args, protected=protected, config_files=config_files,
                          has_conftest=any(p.endswith("conftest.py") for p in config_files),
-                         num_reverted=num_reverted, not_applied=not_applied)
+                         num_reverted=num_reverted, not_applied=not_applied,
+                         sentinels=sentinels, source_config=source_config, rules=rules)
 
 
-def _given_files(visible_tests: str | None, visible_dir: str) -> dict[str, bytes]:
+def _tests_folder(task: Task) -> str:
+    """Where the task's tests live (the common folder of the expected tests' files), from
+    which pytest's config file is looked for upwards."""
+    files = [i.split("::", 1)[0] for i in (*task.fail_to_pass, *task.pass_to_pass)]
+    if not files:
+        return ""
+    common = os.path.commonpath([os.path.dirname(f) or "." for f in files])
+    return "" if common == "." else common
+
+
+def given_files(visible_tests: str | None, visible_dir: str) -> dict[str, bytes]:
     """The visible tests as the agent's tools copied them into its workspace: present in
     every final workspace without being a change of the agent's."""
     if visible_tests is None or not os.path.isdir(visible_tests):
@@ -200,17 +211,16 @@ def _real_parent(root: str, path: str, create: bool) -> str | None:
     return current
 
 
-def _write_inside(root: str, path: str, data: bytes) -> bool:
+def _write_inside(root: str, path: str, data: bytes, mode: int = 0o644) -> bool:
     parent = _real_parent(root, path, create=True)
     if parent is None:
         return False
     target = os.path.join(parent, path.rsplit("/", 1)[-1])
     if os.path.lexists(target):
-        mode = os.lstat(target).st_mode
-        if stat.S_ISDIR(mode):
+        if stat.S_ISDIR(os.lstat(target).st_mode):
             return False
         os.unlink(target)  # a link or file of the source: the agent's regular file replaces it
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return True
@@ -226,28 +236,40 @@ def _delete_inside(root: str, path: str) -> bool:
     return True
 
 
-def _apply_patch(task: Task, dest: str) -> None:
-    env = {"PATH": "/usr/bin:/bin", "HOME": dest, "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_CEILING_DIRECTORIES": os.path.dirname(os.path.abspath(dest))}
-    proc = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=dest, env=env,
-                          input=task.test_patch.encode() if task.test_patch else b"",
-                          capture_output=True, check=False)
-    if proc.returncode != 0:
-        raise ValueError(f"task {task.id!r}: test_patch does not apply to the task source: "
-                         f"{proc.stderr.decode(errors='replace').strip()}; regenerate it "
-                         "against the base commit")
+def _write_test_patch_result(task: Task, dest: str) -> None:
+    """The test patch's files as reward.patch computed them from the source, written over
+    whatever is there (the agent's versions of these paths were dropped already)."""
+    for rel, patched in patched_files(task).items():
+        done = _delete_inside(dest, rel) if patched is None else _write_inside(
+            dest, rel, patched.data, 0o755 if patched.executable else 0o644)
+        if not done:
+            raise ValueError(f"task {task.id!r}: test_patch touches {rel!r}, whose folder in "
+                             "the task source is a symlink; test patches may only change "
+                             "files in real folders")
 
 
-def _write_grader_files(dest: str, sentinel: Sentinel) -> None:
+def _copy_hidden_tests(task: Task, dest: str) -> None:
+    hidden = os.path.join(dest, HIDDEN_TESTS_DIR)
+    if os.path.lexists(hidden):
+        _remove(hidden)
+    if task.hidden_tests is None:
+        return
+    if not os.path.isdir(task.hidden_tests):
+        raise ValueError(f"task {task.id!r}: hidden_tests {task.hidden_tests!r} is not a folder")
+    shutil.copytree(task.hidden_tests, hidden, symlinks=False)
+
+
+def _write_grader_files(dest: str, grader_config: str) -> None:
     grader = os.path.join(dest, GRADER_DIR)
     if os.path.lexists(grader):
         _remove(grader)
     os.makedirs(os.path.join(dest, OUT_DIR))
-    os.makedirs(os.path.dirname(os.path.join(dest, sentinel.path)))
-    shutil.copyfile(driver_module.__file__, os.path.join(dest, DRIVER))
+    for module, rel in ((driver_module, DRIVER), (boot_module, BOOT),
+                        (recorder_module, RECORDER)):
+        shutil.copyfile(module.__file__, os.path.join(dest, rel))  # type: ignore[arg-type]
     shutil.copyfile(pytest_runtime_zip(), os.path.join(dest, RUNTIME_ZIP))
-    with open(os.path.join(dest, sentinel.path), "w") as f:
-        f.write(sentinel.source())
+    with open(os.path.join(dest, GRADER_CONFIG), "w") as f:
+        f.write(grader_config)
 
 
 def _test_args(task: Task, dest: str) -> tuple[str, ...]:
@@ -260,6 +282,19 @@ def _test_args(task: Task, dest: str) -> tuple[str, ...]:
     return tuple(f for f in files if _real_parent(dest, f, create=False) is not None
                  and os.path.isfile(os.path.join(dest, f))
                  and not os.path.islink(os.path.join(dest, f)))
+
+
+def _test_files(dest: str, test_args: tuple[str, ...]) -> list[str]:
+    """The test modules pytest will collect from `test_args` (where sentinels may go):
+    the files named, and the test_*.py files of the folders named."""
+    found = []
+    for arg in test_args:
+        if os.path.isfile(os.path.join(dest, arg)):
+            found.append(arg)
+        else:
+            found += [f for f in _files_of(dest, (arg,))
+                      if f.rsplit("/", 1)[-1].startswith("test") and f.endswith(".py")]
+    return sorted(set(found))
 
 
 def _files_of(dest: str, args: Iterable[str]) -> list[str]:
@@ -292,12 +327,13 @@ def _protected_files(dest: str, rules: ProtectionRules) -> set[str]:
 
 def _config_files(dest: str) -> tuple[str, ...]:
     found = []
+    names = set(config_names())
     for dirpath, dirnames, filenames in os.walk(dest):
         rel_dir = os.path.relpath(dirpath, dest)
         if rel_dir == ".":
             dirnames[:] = [d for d in dirnames if d not in (".git", GRADER_DIR)]
         for name in filenames:
-            if name in CONFIG_NAMES or name.endswith(".pth"):
+            if name in names or name.endswith(".pth"):
                 found.append(name if rel_dir == "." else f"{rel_dir}/{name}")
     return tuple(sorted(found))
 

@@ -7,14 +7,22 @@ shipping a fixed copy also means every grading run uses the same pytest, whateve
 agent installed. Built once per pytest version into the cache folder (the bytecode saves
 0.3 s of pytest start-up; a python of another minor version ignores it and compiles the
 sources).
+
+Next to the zip, `preload.json` lists every standard-library module the runtime's code
+imports anywhere (found in its syntax trees at build time): the sandbox's start-up
+(reward.boot) imports them all before the workspace becomes importable, so nothing the
+runner loads later, lazily, can be taken from the agent's files.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import json
 import logging
 import marshal
 import os
+import sys
 import threading
 import zipfile
 
@@ -26,6 +34,8 @@ log = logging.getLogger(__name__)
 RUNTIME_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging")
 RUNTIME_MODULES = ("py",)  # pytest's `py` compatibility shim, a single module
 RUNTIME_NAME = "pytest-runtime.zip"
+PRELOAD_NAME = "preload.json"
+_FORMAT = 2  # bump when the folder's content changes
 
 
 _lock = threading.Lock()  # gradings prepare their folders in threads
@@ -36,27 +46,43 @@ def pytest_runtime_zip(cache_dir: str | None = None) -> str:
     the cache folder."""
     import pytest
 
-    key = f"pytest-{pytest.__version__}-py{importlib.util.MAGIC_NUMBER.hex()}"
+    return os.path.join(_runtime_folder(cache_dir), RUNTIME_NAME)
+
+
+def runtime_preload(cache_dir: str | None = None) -> tuple[str, ...]:
+    """The standard-library modules the runtime imports (see the module docstring)."""
+    with open(os.path.join(_runtime_folder(cache_dir), PRELOAD_NAME)) as f:
+        return tuple(json.load(f))
+
+
+def _runtime_folder(cache_dir: str | None) -> str:
+    import pytest
+
+    key = f"pytest-{pytest.__version__}-py{importlib.util.MAGIC_NUMBER.hex()}-v{_FORMAT}"
     folder = os.path.join(cache_dir or str(default_cache_dir()), "pytest-runtime", key)
     with _lock:
         build_once(folder, _build)
-    return os.path.join(folder, RUNTIME_NAME)
+    return folder
 
 
 def _build(folder: str) -> None:
     path = os.path.join(folder, RUNTIME_NAME)
+    imported: set[str] = set()
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         for name in RUNTIME_PACKAGES:
-            _add_package(zf, name)
+            _add_package(zf, name, imported)
         for name in RUNTIME_MODULES:
             spec = importlib.util.find_spec(name)
             if spec is not None and spec.origin and spec.origin.endswith(".py"):
-                _add_source(zf, spec.origin, os.path.basename(spec.origin))
+                _add_source(zf, spec.origin, os.path.basename(spec.origin), imported)
+    stdlib = sorted(m for m in imported if m.split(".")[0] in sys.stdlib_module_names)
+    with open(os.path.join(folder, PRELOAD_NAME), "w") as f:
+        json.dump(stdlib, f)
     os.chmod(path, 0o644)
     log.info("pytest runtime for grading sandboxes: %s (%d bytes)", path, os.path.getsize(path))
 
 
-def _add_package(zf: zipfile.ZipFile, name: str) -> None:
+def _add_package(zf: zipfile.ZipFile, name: str, imported: set[str]) -> None:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"grading needs the package {name!r} in the grader's environment; "
@@ -71,18 +97,32 @@ def _add_package(zf: zipfile.ZipFile, name: str) -> None:
             full = os.path.join(dirpath, filename)
             arcname = os.path.relpath(full, base)
             if filename.endswith(".py"):
-                _add_source(zf, full, arcname)
+                _add_source(zf, full, arcname, imported)
             else:
                 zf.write(full, arcname)  # py.typed, data files
 
 
-def _add_source(zf: zipfile.ZipFile, full: str, arcname: str) -> None:
+def _add_source(zf: zipfile.ZipFile, full: str, arcname: str, imported: set[str]) -> None:
     with open(full, "rb") as f:
         source = f.read()
     zf.writestr(arcname, source)
-    code = compile(source, arcname, "exec", dont_inherit=True)
+    tree = ast.parse(source, arcname)
+    imported.update(_absolute_imports(tree))
+    code = compile(tree, arcname, "exec", dont_inherit=True)
     # Unchecked hash-based pyc (PEP 552): zipimport loads it without comparing the
     # source's mtime, and a python with another magic number falls back to the source.
     header = importlib.util.MAGIC_NUMBER + (0b01).to_bytes(4, "little") \
         + importlib.util.source_hash(source)
     zf.writestr(arcname[:-3] + ".pyc", header + marshal.dumps(code))
+
+
+def _absolute_imports(tree: ast.AST) -> set[str]:
+    """Modules a syntax tree imports by absolute name, at any depth (lazy imports in
+    functions included)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found

@@ -3,20 +3,25 @@
 The agent's final workspace is graded in a FRESH sandbox, never the one it worked in:
 
     task source --copy--> grading folder (host) <--changes-- WorkspaceChanges (agent's final state)
-        test-related paths reverted, test_patch applied, hidden tests + sentinel + driver added
+        protected paths reverted; then the test patch's result, hidden tests, sentinels
+        among them, the grader's pytest config and the grading programs added
           |
           v  fresh sandbox (test files and their folders locked root-owned where the backend allows)
-    driver (trusted, starts first) --runs--> pytest child (runs the agent's code)
-          |  kills everything else, copies the JUnit report, re-hashes protected files
+    driver (trusted, starts first) --runs--> boot -> pytest + recorder (runs the agent's code)
+          |  streams authenticated records as tests run; kills everything else after;
+          |  re-hashes protected files
           v
-    one stdout line + report.xml --> host: verdict per expected node id
+    one stdout line + report.xml + records.jsonl --> host: cross-check, verdict per test
 
-Pass/fail per test comes only from the JUnit XML that the driver vouches for (by hash on
-its own stdout, which the agent's processes cannot reach) and never from pytest's
-console output; swebench's log parser is not needed. Two must-fail sentinel tests run
-in the same process: if they pass, the agent's code tampered with pytest and the
-reward is 0. A workspace that could not be captured (over envs.max_workspace_changes_mb,
-or the capture failed) is not graded: reward 0, component `workspace_error`.
+Pass/fail per test comes only from the two accounts the driver vouches for (by hash on
+its own stdout, which the agent's processes cannot reach): the recorder's stream and
+pytest's JUnit report, which must agree (reward.crosscheck), never from console output.
+Must-fail sentinel tests hidden among the tests must fail. Any disagreement or
+tampering scores 0 (component `tamper_detected`) with its `hack_*` finding; the static
+findings of the diff and the transcript (reward.hacking) are added to every result, and
+zero it under reward.hack_policy=zero. A workspace that could not be captured (over
+envs.max_workspace_changes_mb, or the capture failed) is not graded: reward 0,
+component `workspace_error`.
 """
 
 from __future__ import annotations
@@ -34,18 +39,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.sandbox.base import WORKSPACE_MOUNT, Sandbox, SandboxLimits, SandboxSpec
-from reward.base import RewardContext, RewardResult, SandboxFactory
-from reward.grading import (CONFIG_NAMES, DRIVER, GRADER_DIR, OUT_DIR, RUNTIME_ZIP, GradingLayout,
-                            Sentinel, build_grading_dir, lock_protected)
-from reward.junit import MAX_REPORT_BYTES, JUnitReport, Outcome, module_classname, parse_junit
-from reward.workspace import WorkspaceChanges
 from envs.types import HIDDEN_TESTS_DIR, Task, Trajectory
+from reward.base import RewardContext, RewardResult, SandboxFactory
+from reward.crosscheck import RunAccount, build_account, cross_check
+from reward.grading import (BOOT, DRIVER, GRADER_CONFIG, GRADER_DIR, OUT_DIR, RECORDER,
+                            RUNTIME_ZIP, GradingLayout, build_grading_dir, config_names,
+                            given_files, lock_protected)
+from reward.hacking import (DiffContext, Finding, apply_findings, diff_findings,
+                            transcript_findings)
+from reward.junit import MAX_REPORT_BYTES, JUnitReport, Outcome, junit_key, module_classname, \
+    parse_junit
+from reward.runner_config import RUNNER_NAMES, shadow_names
+from reward.runtime import runtime_preload
+from reward.workspace import WorkspaceChanges
 
 log = logging.getLogger(__name__)
 
 GRADING_LIMITS = SandboxLimits(memory_mb=2048, max_processes=128, cpu_time_s=300,
                                file_size_mb=256, disk_mb=2048)
 MAX_LISTED_FAILURES = 10
+MAX_STREAM_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +71,8 @@ class DriverResult:
     changed_protected: tuple[str, ...]
     new_config_files: tuple[str, ...]
     log_tail: str  # the end of pytest's console output: for humans only, never parsed
+    stream_sha256: str | None = None  # of out/records.jsonl, the recorder's verified records
+    stream_problems: tuple[str, ...] = ()  # lines of the stream the driver did not accept
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +84,7 @@ class GradingRun:
     problem: str  # why the run could not be read ('' if it could)
     layout: GradingLayout
     locked: bool
+    account: RunAccount = dataclasses.field(default_factory=RunAccount)
 
 
 class HiddenTests:
@@ -94,33 +110,45 @@ class HiddenTests:
         if not (task.fail_to_pass or task.pass_to_pass or task.hidden_tests):
             raise ValueError(f"task {task.id!r} names no tests: set fail_to_pass/pass_to_pass "
                              "or hidden_tests")
+        said = transcript_findings(ctx.transcript or ctx.final_text)
         if ctx.workspace is not None and ctx.workspace.problem:
-            return RewardResult(0.0, {"workspace_error": 1.0, "grading_error": 0.0,
-                                      "tamper_detected": 0.0, "tests_passed_frac": 0.0,
-                                      "all_passed": 0.0},
-                                f"not graded: {ctx.workspace.problem}")
-        sentinel = Sentinel.new()
-        run = await self.grade(task, ctx.workspace or WorkspaceChanges(), ctx, sentinel)
-        result = score_run(task, run, sentinel, self.partial_credit)
+            result = RewardResult(0.0, {"workspace_error": 1.0, "grading_error": 0.0,
+                                        "tamper_detected": 0.0, "tests_passed_frac": 0.0,
+                                        "all_passed": 0.0},
+                                  f"not graded: {ctx.workspace.problem}")
+            return apply_findings(result, said, ctx.hack_policy)
+        changes = ctx.workspace or WorkspaceChanges()
+        run = await self.grade(task, changes, ctx)
+        result = score_run(task, run, self.partial_credit)
         if result.components["tamper_detected"]:
             log.warning("task %s: %s", task.id, result.detail)
-        return result
+        return apply_findings(result, [*self.diff_findings(task, changes, run), *said],
+                              ctx.hack_policy)
 
-    async def grade(self, task: Task, changes: WorkspaceChanges, ctx: RewardContext,
-                    sentinel: Sentinel) -> GradingRun:
+    def diff_findings(self, task: Task, changes: WorkspaceChanges,
+                      run: GradingRun) -> list[Finding]:
+        rules = run.layout.rules
+        assert rules is not None
+        return diff_findings(changes, DiffContext(
+            source_dir=task.source_dir, is_test_path=rules.is_test_path,
+            given=given_files(task.visible_tests, rules.visible_tests_dir),
+            import_roots=rules.import_roots, source_modules=rules.source_modules))
+
+    async def grade(self, task: Task, changes: WorkspaceChanges,
+                    ctx: RewardContext) -> GradingRun:
         create = ctx.create_sandbox or _local_sandbox_factory()
         run_s = max(5.0, ctx.timeout_s - self.setup_margin_s)
         limits = dataclasses.replace(self.limits, cpu_time_s=math.ceil(run_s) + 1)
         with tempfile.TemporaryDirectory(prefix="sluice-grade-") as tmp:
             dest = os.path.join(tmp, "workspace")
             os.mkdir(dest)
-            layout = await asyncio.to_thread(build_grading_dir, task, changes, dest, sentinel,
+            layout = await asyncio.to_thread(build_grading_dir, task, changes, dest,
                                              self.visible_tests_dir)
             sandbox = await create(SandboxSpec(source_dir=dest, image=task.image, limits=limits))
         try:
             locked = await asyncio.to_thread(lock_protected, sandbox, layout.protected)
             nonce = secrets.token_hex(8)
-            settings = self._driver_settings(layout, nonce, run_s - 3.0)
+            settings = driver_settings(layout, nonce, run_s - 3.0)
             result = await sandbox.exec([self.python, "-I", "-B", f"{WORKSPACE_MOUNT}/{DRIVER}"],
                                         run_s, stdin=json.dumps(settings))
             driver = parse_driver_line(result.stdout, nonce)
@@ -130,23 +158,35 @@ class HiddenTests:
                            f"oom_killed={result.oom_killed}): {result.stderr[-500:]}")
                 return GradingRun(None, None, problem, layout, locked)
             report, problem = await _read_report(sandbox, driver)
-            return GradingRun(driver, report, problem, layout, locked)
+            account, stream_problem = await _read_stream(sandbox, driver)
+            return GradingRun(driver, report, problem or stream_problem, layout, locked, account)
         finally:
             await sandbox.release()
 
-    def _driver_settings(self, layout: GradingLayout, nonce: str,
-                         timeout_s: float) -> dict[str, Any]:
-        args = ["-p", "no:cacheprovider", f"--rootdir={WORKSPACE_MOUNT}",
-                "--continue-on-collection-errors", "-q", "-o", "junit_logging=no"]
-        if not layout.has_conftest:
-            args.append("--noconftest")  # none in the source: any conftest.py is the agent's
-        return {"nonce": nonce, "workspace": WORKSPACE_MOUNT,
-                "runtime": f"{WORKSPACE_MOUNT}/{RUNTIME_ZIP}",
-                "pytest_args": [*args, *layout.test_args], "timeout_s": max(1.0, timeout_s),
-                "out_dir": OUT_DIR, "max_report_bytes": MAX_REPORT_BYTES,
-                "protected": dict(layout.protected), "config_names": list(CONFIG_NAMES),
-                "known_config_files": list(layout.config_files),
-                "skip_top_dirs": [".git", GRADER_DIR]}
+
+def driver_settings(layout: GradingLayout, nonce: str, timeout_s: float) -> dict[str, Any]:
+    """What the driver gets on stdin: the pytest command line (the grader's own config,
+    the folders it must not look above), the programs, and what to check afterwards."""
+    config_dir = layout.source_config.rel_dir if layout.source_config else ""
+    args = ["-c", f"{WORKSPACE_MOUNT}/{GRADER_CONFIG}", f"--rootdir={WORKSPACE_MOUNT}",
+            f"--confcutdir={WORKSPACE_MOUNT}/{config_dir}".rstrip("/"), "-p", "no:cacheprovider",
+            "--continue-on-collection-errors", "-q", "-o", "junit_logging=no"]
+    if not layout.has_conftest:
+        args.append("--noconftest")  # none in the source: any conftest.py is the agent's
+    rules = layout.rules
+    allowed = sorted(rules.source_modules & shadow_names()) if rules else []
+    return {"nonce": nonce, "workspace": WORKSPACE_MOUNT,
+            "runtime": f"{WORKSPACE_MOUNT}/{RUNTIME_ZIP}", "boot": f"{WORKSPACE_MOUNT}/{BOOT}",
+            "recorder": f"{WORKSPACE_MOUNT}/{RECORDER}",
+            "recorder_module": f"_grading_{secrets.token_hex(4)}",
+            "preload": list(runtime_preload()), "shadow_allowed": allowed,
+            "runner_names": sorted(RUNNER_NAMES),
+            "pytest_args": [*args, *layout.test_args], "timeout_s": max(1.0, timeout_s),
+            "out_dir": OUT_DIR, "max_report_bytes": MAX_REPORT_BYTES,
+            "max_stream_bytes": MAX_STREAM_BYTES, "protected": dict(layout.protected),
+            "config_names": list(config_names()),
+            "known_config_files": list(layout.config_files),
+            "skip_top_dirs": [".git", GRADER_DIR]}
 
 
 def _local_sandbox_factory() -> SandboxFactory:
@@ -167,62 +207,77 @@ def parse_driver_line(stdout: str, nonce: str) -> DriverResult | None:
                             report_sha256=raw["report_sha256"],
                             changed_protected=tuple(raw["changed_protected"]),
                             new_config_files=tuple(raw["new_config_files"]),
-                            log_tail=str(raw["log_tail"]))
+                            log_tail=str(raw["log_tail"]),
+                            stream_sha256=raw.get("stream_sha256"),
+                            stream_problems=tuple(raw.get("stream_problems", ())))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+async def _read_verified(sandbox: Sandbox, name: str, digest: str | None) -> tuple[bytes | None, str]:
+    if digest is None:
+        return None, f"the driver wrote no {name}"
+    try:
+        data = await sandbox.read_file(f"{OUT_DIR}/{name}")
+    except (FileNotFoundError, ValueError) as exc:
+        return None, f"{name} could not be read: {exc}"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return None, f"{name} does not match the hash the driver reported"
+    return data, ""
 
 
 async def _read_report(sandbox: Sandbox, driver: DriverResult) -> tuple[JUnitReport | None, str]:
     if driver.report_sha256 is None:
         return None, "pytest wrote no JUnit report (it crashed, exited early or was killed)"
-    try:
-        data = await sandbox.read_file(f"{OUT_DIR}/report.xml")
-    except (FileNotFoundError, ValueError) as exc:
-        return None, f"the JUnit report could not be read: {exc}"
-    if hashlib.sha256(data).hexdigest() != driver.report_sha256:
-        return None, "the JUnit report does not match the hash the driver reported"
+    data, problem = await _read_verified(sandbox, "report.xml", driver.report_sha256)
+    if data is None:
+        return None, problem
     try:
         return parse_junit(data), ""
     except ValueError as exc:
         return None, str(exc)
 
 
-def expected_tests(task: Task, report: JUnitReport | None) -> list[tuple[str, Outcome]]:
+async def _read_stream(sandbox: Sandbox, driver: DriverResult) -> tuple[RunAccount, str]:
+    data, problem = await _read_verified(sandbox, "records.jsonl", driver.stream_sha256)
+    if data is None:
+        return RunAccount(), problem
+    try:
+        return build_account(json.loads(line) for line in data.splitlines() if line), ""
+    except ValueError as exc:
+        return RunAccount(), f"the driver's records are malformed: {exc}"
+
+
+def expected_tests(task: Task, report: JUnitReport | None,
+                   sentinel_ids: tuple[str, ...] = ()) -> list[tuple[str, Outcome]]:
     """(test, outcome) for every expected test; tests absent from the report count as
-    missing (failed)."""
+    missing (failed). Sentinels are never expected tests."""
     ids = [*task.fail_to_pass, *task.pass_to_pass]
     if ids:
         return [(i, report.outcome(i) if report else Outcome.MISSING) for i in ids]
     if report is None:
         return []
+    sentinel_keys = {junit_key(i) for i in sentinel_ids}
     return [(f"{c}::{n}" if c else n, report.cases[(c, n)])
-            for c, n in report.keys_under(module_classname(HIDDEN_TESTS_DIR))]
+            for c, n in report.keys_under(module_classname(HIDDEN_TESTS_DIR))
+            if (c, n) not in sentinel_keys]
 
 
-def _tamper_findings(run: GradingRun, sentinel: Sentinel) -> list[str]:
-    assert run.driver is not None and run.report is not None
-    found = []
-    outcomes = [run.report.outcome(node_id) for node_id in sentinel.node_ids]
-    for outcome in outcomes:
-        if outcome not in (Outcome.FAILED, Outcome.ERROR, Outcome.MISSING):
-            found.append(f"the must-fail sentinel test was reported {outcome.value}")
-    # pytest always collects and reports the sentinels; a report of a run that ended
-    # normally without them was rewritten, or tests were deselected from inside.
-    if Outcome.MISSING in outcomes and run.driver.exit_code in (0, 1):
-        found.append("the sentinel tests are missing from the report of a completed run")
-    if run.driver.exit_code == 0:
-        found.append("pytest exited 0 although the sentinel tests fail")
+def run_findings(run: GradingRun) -> list[Finding]:
+    """What the run's own accounts show of tampering (reward.crosscheck, the driver)."""
+    assert run.driver is not None
+    found = cross_check(run.account, run.report, run.driver.exit_code,
+                        run.driver.stream_problems, run.layout.sentinels)
     if run.driver.changed_protected:
-        found.append("protected files changed during the run: "
-                     f"{list(run.driver.changed_protected)}")
+        found.append(Finding("files_tampered", "protected files changed during the run: "
+                             f"{list(run.driver.changed_protected)}"))
     if run.driver.new_config_files:
-        found.append("config/startup files appeared during the run: "
-                     f"{list(run.driver.new_config_files)}")
+        found.append(Finding("files_tampered", "config/startup files appeared during the "
+                             f"run: {list(run.driver.new_config_files)}"))
     return found
 
 
-def score_run(task: Task, run: GradingRun, sentinel: Sentinel,
-              partial_credit: bool) -> RewardResult:
+def score_run(task: Task, run: GradingRun, partial_credit: bool) -> RewardResult:
     """The reward and its components from a grading run (see HiddenTests)."""
     base = {"tamper_detected": 0.0, "grading_error": 0.0, "locked": float(run.locked),
             "reverted_changes": float(run.layout.num_reverted)}
@@ -234,12 +289,12 @@ def score_run(task: Task, run: GradingRun, sentinel: Sentinel,
         tail = run.driver.log_tail[-1500:] if run.driver else ""
         return RewardResult(0.0, {**base, "grading_error": 1.0, **failed},
                             f"grading error: {problem}\n{tail}".strip())
-    tampered = _tamper_findings(run, sentinel)
+    tampered = run_findings(run)
     if tampered:
-        return RewardResult(0.0, {**base, "tamper_detected": 1.0, **failed},
-                            "tampering detected: " + "; ".join(tampered))
-    if run.driver.exit_code != 1 or any(
-            run.report.outcome(i) is Outcome.MISSING for i in sentinel.node_ids):
+        result = RewardResult(0.0, {**base, "tamper_detected": 1.0, **failed},
+                              "tampering detected")
+        return apply_findings(result, tampered, "report")
+    if run.driver.exit_code != 1:
         # Interrupted, an internal error, or a crash before the sentinels ran.
         return RewardResult(0.0, {**base, "grading_error": 1.0, **failed},
                             f"grading error: the test run did not complete (pytest exit code "
@@ -249,7 +304,7 @@ def score_run(task: Task, run: GradingRun, sentinel: Sentinel,
 
 def _score_tests(task: Task, run: GradingRun, base: dict[str, float],
                  partial_credit: bool) -> RewardResult:
-    results = expected_tests(task, run.report)
+    results = expected_tests(task, run.report, tuple(s.node_id for s in run.layout.sentinels))
     passed = [t for t, o in results if o is Outcome.PASSED]
     failed = [(t, o) for t, o in results if o is not Outcome.PASSED]
     frac = len(passed) / len(results) if results else 0.0

@@ -1,8 +1,9 @@
-"""Hidden-test grading end to end with real LocalSandboxes: every bundled code task's
-reference passes and its stub fails; a SWE-style repository (base commit, a later fix
-commit the agent must never see, a test patch) is graded right for the fix, no change,
-and the reward hacks a policy finds: editing the tests, faking pytest's output or a JUnit
-file, a conftest.py / pytest config that forces passes, and patching pytest in-process.
+"""Hidden-test grading end to end with real LocalSandboxes: partial credit on a bundled code
+task; a SWE-style repository (base commit, a later fix commit the agent must never see, a
+test patch) is graded right for the fix, no change, and the reward hacks a policy finds:
+editing the tests, faking pytest's output or a JUnit file, a conftest.py / pytest config
+that forces passes, and patching pytest in-process. (Gold and empty patches of every
+bundled task: test_grading_gold.py; the red team by attack class: test_grading_redteam.py.)
 
 Each "agent" works in its own sandbox made from the task source, exactly as a
 trajectory would; its final state reaches the grader only as a workspace snapshot.
@@ -10,8 +11,6 @@ trajectory would; its final state reaches the grader only as a workspace snapsho
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -21,12 +20,13 @@ import pytest
 
 from envs.sandbox.base import SandboxLimits, SandboxSpec
 from envs.tasks import load_tasks
-from envs.tasks.code import VISIBLE_TESTS_DIR, spec_by_name
+from envs.tasks.code import VISIBLE_TESTS_DIR
 from reward.base import RewardContext, RewardResult, load_reward_fn
 from reward.tests import HiddenTests
 from reward.workspace import WorkspaceChanges, changes_from_snapshot
-from envs.types import Task, Trajectory
+from envs.types import Task
 from git_repo import run_git
+from grading_tasks import CALC, FIXED_OPS, build_swe_task, trajectory_of
 
 AGENT_LIMITS = SandboxLimits(memory_mb=512, max_processes=64, cpu_time_s=60)
 
@@ -71,36 +71,7 @@ async def grade(task: Task, changes: WorkspaceChanges) -> RewardResult:
                            RewardContext(workspace=changes, timeout_s=120))
 
 
-def trajectory_of(task: Task) -> Trajectory:
-    """A finished trajectory (its tokens do not matter to test grading)."""
-    return Trajectory(task_id=task.id, group_id="g", index=0, prompt_ids=[1], response_ids=[2],
-                      response_mask=[1], logprobs=[-0.5], versions=[0], termination="finished")
-
-
 # --- bundled code tasks ------------------------------------------------------------
-
-async def test_every_code_task_reference_passes_and_stub_fails(tmp_path: Path) -> None:
-    tasks = load_tasks("code_functions", cache_dir=str(tmp_path))
-    assert len(tasks) >= 30
-    limit = asyncio.Semaphore(3)
-
-    async def check(task: Task) -> list[str]:
-        spec = spec_by_name(task.id)
-        async with limit:
-            solved = await grade(task, await run_agent(task, {spec.module: spec.reference.encode()}))
-            unsolved = await grade(task, WorkspaceChanges())
-        problems = []
-        if solved.reward != 1.0 or solved.components["tests_passed_frac"] != 1.0:
-            problems.append(f"{task.id} reference: {solved.detail}")
-        if unsolved.reward != 0.0 or unsolved.components["tests_passed_frac"] != 0.0:
-            problems.append(f"{task.id} stub: {unsolved.detail}")
-        if solved.components["reverted_changes"] != 0.0:  # the copied visible tests are no change
-            problems.append(f"{task.id}: visible tests counted as a change")
-        return problems
-
-    results = await asyncio.gather(*(check(t) for t in tasks))
-    assert [p for problems in results for p in problems] == []
-
 
 async def test_partially_right_code_gets_partial_credit_only_when_asked(tmp_path: Path) -> None:
     task = next(t for t in load_tasks("code_functions", cache_dir=str(tmp_path))
@@ -119,7 +90,9 @@ async def test_partially_right_code_gets_partial_credit_only_when_asked(tmp_path
 
 FORGED_REPORT = ('<testsuites><testsuite><testcase classname="_sluice_hidden.test_rle_hidden" '
                  'name="test_empty"/></testsuite></testsuites>')
-REPORT_PATH = "[a.split('=', 1)[1] for a in sys.argv if a.startswith('--junitxml=')][0]"
+# The report's path is in no argv any more; an adapted attack takes it from pytest's config.
+REPORT_PATH = ("next(o.option.xmlpath for o in __import__('gc').get_objects() "
+               "if type(o).__name__ == 'Config' and getattr(o.option, 'xmlpath', None))")
 CODE_HACKS = {
     # A conftest hook, a pytest.ini loading a plugin module and start-up hooks: all dropped,
     # and the source has no conftest, so pytest runs with --noconftest anyway.
@@ -161,53 +134,16 @@ async def test_code_task_hacks_score_zero(tmp_path: Path, hack: str) -> None:
 
 # --- a SWE-style repository --------------------------------------------------------
 
-BASE_FILES = {
-    "calc/__init__.py": "",
-    "calc/ops.py": ("def add(a, b):\n    return a + b\n\n\n"
-                    "def mean(values):\n    return sum(values) / len(values)\n"),
-    "tests/__init__.py": "",
-    "tests/helpers.py": "def close(a, b):\n    return abs(a - b) < 1e-9\n",
-    "tests/test_ops.py": ("from calc.ops import add, mean\n\n\n"
-                          "def test_add():\n    assert add(2, 3) == 5\n\n\n"
-                          "def test_mean(numbers):\n    assert mean(numbers) == 2\n"),
-    # A legitimate repository conftest: the tests need its fixture.
-    "conftest.py": "import pytest\n\n\n@pytest.fixture\ndef numbers():\n    return [1, 2, 3]\n",
-    "setup.cfg": "[tool:pytest]\nfilterwarnings = error\n",
-}
-FIXED_OPS = ("def add(a, b):\n    return a + b\n\n\ndef mean(values):\n"
-             "    if not values:\n        return 0.0\n    return sum(values) / len(values)\n")
-NEW_TEST = ("\n\ndef test_mean_of_nothing_is_zero():\n    from tests.helpers import close\n\n"
-            "    assert close(mean([]), 0.0)\n")
-F2P = "tests/test_ops.py::test_mean_of_nothing_is_zero"
-P2P = ("tests/test_ops.py::test_add", "tests/test_ops.py::test_mean")
-
-
+BASE_FILES = CALC.base
+F2P = CALC.fail_to_pass[0]
+P2P = CALC.pass_to_pass
 
 
 @pytest.fixture
 def swe_task(tmp_path: Path) -> tuple[Task, str]:
     """A task loaded through the SWE adapter, and the fix commit's id."""
-    repo = tmp_path / "upstream"
-    repo.mkdir()
-    run_git(repo, "init", "-q", "-b", "main")
-    for rel, text in BASE_FILES.items():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(text)
-    run_git(repo, "add", "-A")
-    run_git(repo, "commit", "-q", "-m", "base")
-    base = run_git(repo, "rev-parse", "HEAD").strip()
-    (repo / "calc/ops.py").write_text(FIXED_OPS)
-    (repo / "tests/test_ops.py").write_text(BASE_FILES["tests/test_ops.py"] + NEW_TEST)
-    run_git(repo, "commit", "-q", "-am", "fix mean of an empty list")
-    fix = run_git(repo, "rev-parse", "HEAD").strip()
-    test_patch = run_git(repo, "diff", base, fix, "--", "tests")
-    row = {"instance_id": "demo__calc-1", "repo": "demo/calc", "repo_dir": "upstream",
-           "base_commit": base, "problem_statement": "mean([]) raises ZeroDivisionError; it "
-           "should return 0.0.", "test_patch": test_patch, "FAIL_TO_PASS": json.dumps([F2P]),
-           "PASS_TO_PASS": json.dumps(list(P2P)), "patch": run_git(repo, "diff", base, fix, "--", "calc")}
-    (tmp_path / "swe.jsonl").write_text(json.dumps(row) + "\n")
-    [task] = load_tasks(str(tmp_path / "swe.jsonl"), cache_dir=str(tmp_path / "cache"))
-    return task, fix
+    task = build_swe_task(CALC, tmp_path)
+    return task, run_git(tmp_path / "upstream", "rev-parse", "HEAD").strip()
 
 
 async def test_agent_copy_holds_no_later_commit(swe_task: tuple[Task, str]) -> None:
