@@ -5,8 +5,9 @@ does) and hosts where containers are the isolation of choice.
 One long-lived container per sandbox, each command a `podman exec` into it:
 
     create:  lease a host uid -> workspace folder (tmpfs, like local) -> `run -d` a root
-             init (catatonit -P) with no network, read-only root, no capabilities,
-             memory/pids/cpu limits and rlimits, the workspace bound at /workspace
+             init (catatonit -P) with no network, read-only root, no capabilities, no
+             nested user namespaces (seccomp), memory/pids/cpu limits and rlimits, the
+             workspace bound at /workspace
     exec:    `exec --user <uid>` (head+tail capped output, wall-clock limit) -> kill every
              process of the uid in the container's cgroup -> empty /tmp and /dev/shm
     release: `rm -f` the container -> kill any straggler of the uid -> delete the folder
@@ -78,7 +79,7 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
         self._sandbox_dir = sandbox_dir
         self._container = container
         self._ws = workspace.HostWorkspace(os.path.join(sandbox_dir, "workspace"), lease.uid,
-                                           config.snapshot_dir)
+                                           config.snapshot_dir, spec.limits.disk_mb << 20)
         self._cgroup = SandboxCgroup.of_process(init_pid)
         self._cgroup_dirs = tuple(sorted(set(self._cgroup.dirs.values())))
         # The container's private folders, held open from the host: clearing them goes
@@ -90,7 +91,9 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
             backend="container", namespaces=NAMESPACES, cgroup_version=self._cgroup.version,
             cgroup_controllers=self._cgroup.controllers, rlimits=RLIMITS,
             unprivileged_uid=True, sandbox_uid=lease.uid, host_uid=lease.uid,
-            nested_userns_blocked=False, disk_limit_mb=disk_limit_mb)
+            # engine.seccomp_profile refuses CLONE_NEWUSER (tests/integration/
+            # test_sandbox_redteam.py proves it on the real engine).
+            nested_userns_blocked=True, disk_limit_mb=disk_limit_mb)
 
     @classmethod
     async def create(cls, spec: SandboxSpec,

@@ -8,6 +8,11 @@ entries the system python needs) imported once into the engine's storage under a
 that hashes its content, with the host's /usr bound read-only at run time, so a sandbox
 on it sees the same runtime as a local sandbox. A task's own image (SandboxSpec.image)
 must already be in local storage and gets nothing from the host but the workspace.
+
+Nested user namespaces are blocked by a seccomp profile of our own (`seccomp_profile`):
+the engines' default profiles let an unprivileged process create a user namespace, in
+which it holds every capability (mounts, further namespaces), as bwrap's
+--disable-userns forbids in the local backend.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import fcntl
 import functools
 import hashlib
 import io
+import json
 import logging
 import os
 import shutil
@@ -26,19 +32,28 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
+from envs.owner import owner_tag
 from envs.sandbox import bwrap
 from envs.sandbox.base import WORKSPACE_MOUNT, SandboxLimits
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("install podman (Debian: apt-get install -y podman runc) or give this "
-from envs.owner import owner_tag
                 "host a reachable local docker daemon")
 DEFAULT_IMAGE_REPO = "localhost/sluice-sandbox-host"
 INIT_PATH = "/.sluice-init"  # where the init binary appears inside every container
 _INIT_CANDIDATES = ("/usr/bin/catatonit", "/usr/libexec/podman/catatonit")
 _IMAGE_LOCK = "/run/sluice-sandbox-image.lock"  # one import at a time on a host
 # Settings of the engine itself; nothing else of this process's environment reaches it.
+# containers-common's default profile: the base of ours, so every other rule still applies.
+SECCOMP_DEFAULT_PATHS = ("/usr/share/containers/seccomp.json", "/etc/containers/seccomp.json")
+CLONE_NEWUSER = 0x10000000
+_EPERM, _ENOSYS = 1, 38
+# Without a default profile to start from: allow all but these (most need capabilities
+# the containers never have; these do not, or widen the kernel's attack surface).
+_FALLBACK_DENIED = ("keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+                    "io_uring_setup", "io_uring_enter", "io_uring_register", "kexec_load",
+                    "open_by_handle_at", "setns", "mount", "umount2", "pivot_root", "chroot")
 _ENGINE_ENV_KEYS = ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_CONFIG", "CONTAINER_HOST",
                     "CONTAINERS_CONF", "CONTAINERS_STORAGE_CONF", "CONTAINERS_REGISTRIES_CONF")
 
@@ -220,6 +235,57 @@ def host_runtime_mounts(etc_dir: str) -> list[str]:
     return args + ["--env", f"PATH={bwrap.SANDBOX_PATH}"]
 
 
+def _without_userns_rules(names: tuple[str, ...]) -> list[dict]:
+    """Rules letting clone/unshare through only without CLONE_NEWUSER (flags are their
+    first argument on x86_64 and arm64), and failing clone3 with ENOSYS: its flags sit in
+    memory seccomp cannot read, and libc falls back to clone on ENOSYS."""
+    def flags(datum: int) -> list[dict]:
+        return [{"index": 0, "value": CLONE_NEWUSER, "valueTwo": datum,
+                 "op": "SCMP_CMP_MASKED_EQ"}]
+
+    return [{"names": list(names), "action": "SCMP_ACT_ALLOW", "args": flags(0)},
+            {"names": list(names), "action": "SCMP_ACT_ERRNO", "errnoRet": _EPERM,
+             "args": flags(CLONE_NEWUSER)},
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS}]
+
+
+def build_seccomp_profile(default: dict | None) -> dict:
+    """The engine's default profile (a parsed seccomp.json) with nested user namespaces
+    blocked; None: a permissive profile denying `_FALLBACK_DENIED` and user namespaces."""
+    userns_calls = ("clone", "unshare")
+    if default is None:
+        return {"defaultAction": "SCMP_ACT_ALLOW",
+                "syscalls": [{"names": list(_FALLBACK_DENIED), "action": "SCMP_ACT_ERRNO",
+                              "errnoRet": _EPERM}, *_without_userns_rules(userns_calls)]}
+    profile = dict(default)
+    rules = []
+    for rule in default.get("syscalls", []):
+        names = [n for n in rule.get("names", []) if n not in (*userns_calls, "clone3")]
+        if names:
+            rules.append({**rule, "names": names})
+    profile["syscalls"] = rules + _without_userns_rules(userns_calls)
+    return profile
+
+
+@functools.cache
+def seccomp_profile() -> str:
+    """Path of the profile file every sandbox container gets (written once per process)."""
+    default = None
+    for path in SECCOMP_DEFAULT_PATHS:
+        if os.path.isfile(path):
+            with open(path) as f:
+                default = json.load(f)
+            break
+    else:
+        log.warning("no default seccomp profile in %s; containers get a permissive one that "
+                    "blocks user namespaces and %s", SECCOMP_DEFAULT_PATHS, _FALLBACK_DENIED)
+    path = os.path.join(_engine_cwd(), "seccomp.json")
+    with open(path, "w") as f:
+        json.dump(build_seccomp_profile(default), f)
+    os.chmod(path, 0o644)
+    return path
+
+
 def build_run_options(engine: ContainerEngine, *, name: str, limits: SandboxLimits,
                       workspace: str, tmp_size_mb: int) -> list[str]:
     """`run` options every sandbox container gets (the image and its mounts follow).
@@ -233,6 +299,7 @@ def build_run_options(engine: ContainerEngine, *, name: str, limits: SandboxLimi
         "run", "-d", "--name", name, "--label", "sluice.sandbox=1",
         "--network", "none", "--read-only", "--hostname", "sandbox",
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+        "--security-opt", f"seccomp={seccomp_profile()}",
         "--memory", f"{limits.memory_mb}m", "--memory-swap", f"{limits.memory_mb}m",
         "--pids-limit", str(tasks), "--cpus", f"{limits.cpu_quota_cores:g}",
         "--ulimit", f"nofile={limits.open_files}:{limits.open_files}",

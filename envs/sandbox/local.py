@@ -66,7 +66,8 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
         self._cgroup = cgroup
         self._cgroup_dirs = tuple(sorted(set(cgroup.dirs.values())))
         self._runtime = bwrap.detect_host_runtime()
-        self._ws = workspace.HostWorkspace(self._workspace, lease.uid, config.snapshot_dir)
+        self._ws = workspace.HostWorkspace(self._workspace, lease.uid, config.snapshot_dir,
+                                           spec.limits.disk_mb << 20)
         self._capabilities = SandboxCapabilities(
             backend="local", namespaces=bwrap.namespaces_of(self._runtime),
             cgroup_version=cgroup.version, cgroup_controllers=cgroup.controllers,

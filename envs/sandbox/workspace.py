@@ -6,6 +6,11 @@ trainer, and snapshots as tar files.
 These run as root on the host while no sandboxed process runs (the sandbox serializes
 them with its commands, and a command leaves no process behind), so the checks on
 symlinks and file types below cannot race with the sandboxed code changing the tree.
+
+Every byte this module writes or reads on a sandbox's behalf (snapshot tars, restores,
+file reads) is bounded by the sandbox's own cap, `SandboxLimits.disk_mb`, counted on
+apparent size: a sparse file costs its full length in a tar or a read, however few
+blocks it holds on the (size-capped) workspace tmpfs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import stat
 import tarfile
 import tempfile
 from collections.abc import AsyncIterator, Callable
+from typing import BinaryIO
 
 from envs.owner import owner_tag
 from envs.sandbox.base import SandboxCapabilities, Snapshot, resolve_workspace_path
@@ -89,7 +95,19 @@ async def chown_tree(path: str, owner_uid: int) -> None:
     await _run("chown", "-R", "-h", f"{owner_uid}:{owner_uid}", "--", path)
 
 
-def read_file(workspace: str, path: str) -> bytes:
+class WorkspaceOverCapError(ValueError):
+    """The workspace content, counted on apparent size, exceeds the sandbox's cap."""
+
+
+def _over_cap(what: str, num_bytes: int, max_bytes: int) -> WorkspaceOverCapError:
+    return WorkspaceOverCapError(
+        f"{what} holds {num_bytes} bytes (apparent size: sparse files count in full), over "
+        f"the sandbox's cap of {max_bytes} bytes (SandboxLimits.disk_mb); refused, so the "
+        "host never stores more than the cap. Delete the large files in the sandbox, or "
+        "raise disk_mb")
+
+
+def read_file(workspace: str, path: str, max_bytes: int) -> bytes:
     resolved = resolve_workspace_path(workspace, path)
     # O_NONBLOCK: a FIFO planted by the sandbox must not hang the trainer on open.
     try:
@@ -97,10 +115,13 @@ def read_file(workspace: str, path: str) -> bytes:
     except FileNotFoundError:
         raise FileNotFoundError(f"no file {path!r} in the workspace") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"workspace path {path!r} is not a regular file; read files only")
+        if st.st_size > max_bytes:
+            raise _over_cap(f"workspace file {path!r}", st.st_size, max_bytes)
         with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read()
+            return f.read(max_bytes)
     finally:
         os.close(fd)
 
@@ -135,14 +156,57 @@ def _keep_in_snapshot(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
     return info if info.isfile() or info.isdir() or info.issym() or info.islnk() else None
 
 
-def snapshot(workspace: str, snapshot_dir: str | None) -> Snapshot:
+def tar_budget(workspace: str) -> tuple[int, int]:
+    """(content bytes, header bytes) a tar of `workspace` needs at most: regular files at
+    their apparent size, each inode once (tar stores further hard links as links), and
+    per entry a header with room for a long name's extended header."""
+    content, headers, seen = 0, 20 << 10, set()  # end-of-archive and record padding
+    for dirpath, dirnames, filenames in os.walk(workspace):  # never follows symlinks
+        for name in (*dirnames, *filenames):
+            st = os.lstat(os.path.join(dirpath, name))
+            headers += 2048 + 2 * len(os.path.join(dirpath, name))
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                content += st.st_size + 512  # padded to whole blocks
+    return content, headers
+
+
+class _CappedWriter:
+    """The write side of a file that refuses to grow past `limit` bytes (what tarfile
+    uses of it: write and tell): the backstop of the size check made before a tar is
+    written, should a file grow between the two."""
+
+    def __init__(self, f: BinaryIO, limit: int, max_bytes: int) -> None:
+        self._f, self._limit, self._max_bytes, self._written = f, limit, max_bytes, 0
+
+    def write(self, data: bytes) -> int:
+        self._written += len(data)
+        if self._written > self._limit:
+            raise _over_cap("the workspace snapshot", self._written, self._max_bytes)
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._written
+
+
+def snapshot(workspace: str, snapshot_dir: str | None, max_bytes: int) -> Snapshot:
+    content, headers = tar_budget(workspace)
+    if content > max_bytes:
+        raise _over_cap("the workspace", content, max_bytes)
     # The owner tag lets envs.reaper delete the tars of a worker that died.
     fd, tar_path = tempfile.mkstemp(prefix=f"sluice-snapshot-{owner_tag()}-", suffix=".tar",
                                     dir=snapshot_dir)
-    with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
-        for name in sorted(os.listdir(workspace)):
-            # Symlinks are stored as links, never followed.
-            tar.add(os.path.join(workspace, name), arcname=name, filter=_keep_in_snapshot)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            capped = _CappedWriter(f, content + headers, max_bytes)
+            with tarfile.open(fileobj=capped, mode="w") as tar:  # type: ignore[arg-type]
+                for name in sorted(os.listdir(workspace)):
+                    # Symlinks are stored as links, never followed.
+                    tar.add(os.path.join(workspace, name), arcname=name,
+                            filter=_keep_in_snapshot)
+    except BaseException:
+        os.unlink(tar_path)
+        raise
     return Snapshot(tar_path=tar_path, num_bytes=os.path.getsize(tar_path))
 
 
@@ -155,14 +219,17 @@ def clear(workspace: str) -> None:
             os.unlink(path)
 
 
-def restore(workspace: str, snap: Snapshot) -> None:
+def restore(workspace: str, snap: Snapshot, max_bytes: int) -> None:
     """Replace the workspace content by the tar's. The "data" filter refuses absolute
     names, links leading outside and special files, so even a tampered tar cannot
-    write outside the workspace."""
+    write outside the workspace; a tar of a sandbox with a larger cap is refused."""
     if not os.path.isfile(snap.tar_path):
         raise ValueError(f"snapshot {snap.tar_path} does not exist (discarded?); take a new one")
-    clear(workspace)
     with tarfile.open(snap.tar_path, mode="r") as tar:
+        content = sum(m.size for m in tar.getmembers() if m.isfile())
+        if content > max_bytes:
+            raise _over_cap(f"snapshot {snap.tar_path}", content, max_bytes)
+        clear(workspace)
         tar.extractall(workspace, filter="data")
 
 
@@ -236,8 +303,10 @@ class HostWorkspace:
     at a time, so no sandboxed process races the host-side checks) and refused after
     release. Backends hold one and delegate to it."""
 
-    def __init__(self, path: str, owner_uid: int, snapshot_dir: str | None) -> None:
+    def __init__(self, path: str, owner_uid: int, snapshot_dir: str | None,
+                 max_bytes: int) -> None:
         self.path = path
+        self.max_bytes = max_bytes  # the sandbox's cap (disk_mb), on apparent size
         self._owner_uid = owner_uid
         self._snapshot_dir = snapshot_dir
         self._lock = asyncio.Lock()
@@ -252,7 +321,7 @@ class HostWorkspace:
 
     async def read_file(self, path: str) -> bytes:
         async with self.turn():
-            return await asyncio.to_thread(read_file, self.path, path)
+            return await asyncio.to_thread(read_file, self.path, path, self.max_bytes)
 
     async def write_file(self, path: str, data: bytes) -> None:
         if not isinstance(data, (bytes, bytearray)):
@@ -263,11 +332,12 @@ class HostWorkspace:
 
     async def snapshot(self) -> Snapshot:
         async with self.turn():
-            return await asyncio.to_thread(snapshot, self.path, self._snapshot_dir)
+            return await asyncio.to_thread(snapshot, self.path, self._snapshot_dir,
+                                           self.max_bytes)
 
     async def restore(self, snap: Snapshot) -> None:
         async with self.turn():
-            await asyncio.to_thread(restore, self.path, snap)
+            await asyncio.to_thread(restore, self.path, snap, self.max_bytes)
             await chown_tree(self.path, self._owner_uid)
 
     async def release(self, teardown: Callable[[], None]) -> None:

@@ -1,6 +1,7 @@
 """Red-team tests of the sandbox backends that run on this host (local; container where an
 engine works): each test is a small program a reward-seeking policy might write, and
-asserts the concrete outcome on the host. The limit tests run first (pytest keeps file
+asserts the concrete outcome on the host (limits, network, host visibility, sparse files
+that would amplify what the host stores, nested user namespaces). The limit tests run first (pytest keeps file
 order, each test for every backend), and the bombs further down refuse to run for a
 backend whose process and memory limits have not been seen to hold in this session."""
 
@@ -62,6 +63,16 @@ def _container_create() -> Callable[[SandboxSpec], Awaitable[HostSandbox]]:
 BACKENDS = {"local": _local_create, "container": _container_create}
 
 
+def _config(backend: str, snapshot_dir: str) -> object:
+    if backend == "local":
+        from envs.sandbox.local import LocalSandboxConfig
+
+        return LocalSandboxConfig(snapshot_dir=snapshot_dir)
+    from envs.sandbox.container import ContainerSandboxConfig
+
+    return ContainerSandboxConfig(snapshot_dir=snapshot_dir)
+
+
 @pytest.fixture(params=sorted(BACKENDS))
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -89,8 +100,10 @@ async def make_sandbox(backend: str) -> AsyncIterator[MakeSandbox]:
     create = BACKENDS[backend]()
     made: list[HostSandbox] = []
 
-    async def make(limits: SandboxLimits = LIMITS) -> HostSandbox:
-        sandbox = await create(SandboxSpec(limits=limits))
+    async def make(limits: SandboxLimits = LIMITS, snapshot_dir: str | None = None) -> HostSandbox:
+        spec = SandboxSpec(limits=limits)
+        sandbox = await (create(spec, _config(backend, snapshot_dir)) if snapshot_dir  # type: ignore[call-arg]
+                         else create(spec))
         made.append(sandbox)
         return sandbox
 
@@ -398,3 +411,116 @@ async def test_no_privileges_inside(make_sandbox: MakeSandbox) -> None:
         assert (await sb.exec("unshare -r true", 10)).exit_code != 0
     cgroupfs = await sb.exec("ls -A /sys/fs/cgroup", 10)  # its limits are not in reach:
     assert cgroupfs.exit_code != 0 or cgroupfs.stdout == ""  # absent (local) or masked
+
+
+# --- sparse files: what the host stores for a sandbox is bounded by its own cap -------
+
+SPARSE_LIMITS = SandboxLimits(memory_mb=256, max_processes=64, file_size_mb=1024, disk_mb=32)
+# Layout -> (command, a file over the cap by itself, if any).
+SPARSE_LAYOUTS = {
+    "one_file_far_over_the_cap": ("truncate -s 900M big", "big"),
+    "many_files_each_under_the_cap": ("for i in $(seq 40); do truncate -s 30M f$i; done", None),
+    "deep_in_folders": ("mkdir -p a/b/c/d && truncate -s 600M a/b/c/d/big && truncate -s 1M top",
+                        "a/b/c/d/big"),
+    "one_byte_written_far_out": ("printf x | dd of=big bs=1 seek=700000000 2>/dev/null", "big"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(SPARSE_LAYOUTS))
+async def test_sparse_files_never_amplify_a_snapshot(make_sandbox: MakeSandbox, layout: str,
+                                                     tmp_path: Path) -> None:
+    sb = await make_sandbox(SPARSE_LIMITS, snapshot_dir=str(tmp_path))
+    if sb.capabilities().disk_limit_mb is None:
+        pytest.skip("the workspace cannot be size-capped on this host")
+    command, over_cap = SPARSE_LAYOUTS[layout]
+    r = await sb.exec(command + " && echo done", 30)
+    assert r.stdout.endswith("done\n"), r  # the tmpfs takes them: they hold (almost) no blocks
+    with pytest.raises(ValueError, match="apparent size"):
+        await sb.snapshot()
+    assert list(tmp_path.iterdir()) == []  # not even a partial tar is left
+    if over_cap is not None:
+        with pytest.raises(ValueError, match="apparent size"):
+            await sb.read_file(over_cap)
+    assert (await sb.exec("rm -rf big a f* && echo kept > k.txt", 10)).exit_code == 0
+    snap = await sb.snapshot()
+    try:
+        assert snap.num_bytes <= SPARSE_LIMITS.disk_mb << 20
+        await sb.restore(snap)
+        assert await sb.read_file("k.txt") == b"kept\n"
+    finally:
+        snap.discard()
+
+
+async def test_hard_links_count_once_and_snapshots_stay_within_the_cap(
+        make_sandbox: MakeSandbox, tmp_path: Path) -> None:
+    sb = await make_sandbox(SPARSE_LIMITS, snapshot_dir=str(tmp_path))
+    r = await sb.exec("head -c 20M /dev/urandom > f && for i in $(seq 60); do ln f l$i; done "
+                      "&& echo linked", 30)
+    assert r.stdout == "linked\n", r  # 61 names of 20 MB each: 1.2 GB by name, 20 MB stored
+    snap = await sb.snapshot()
+    try:
+        assert snap.num_bytes <= SPARSE_LIMITS.disk_mb << 20
+    finally:
+        snap.discard()
+
+
+async def test_a_snapshot_of_a_larger_sandbox_is_not_restored_into_a_smaller_one(
+        make_sandbox: MakeSandbox, tmp_path: Path) -> None:
+    large = await make_sandbox(SandboxLimits(memory_mb=256, file_size_mb=64, disk_mb=96),
+                               snapshot_dir=str(tmp_path))
+    assert (await large.exec("head -c 50M /dev/zero > f", 30)).exit_code == 0
+    snap = await large.snapshot()
+    try:
+        small = await make_sandbox(SPARSE_LIMITS)
+        with pytest.raises(ValueError, match="apparent size"):
+            await small.restore(snap)
+    finally:
+        snap.discard()
+
+
+# --- nested user namespaces ------------------------------------------------------------
+
+CLONE_NEWUSER = 0x10000000
+_LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+USERNS_ATTEMPTS = {
+    "unshare_user": ["unshare", "-U", "true"],
+    "unshare_map_root": ["unshare", "-r", "id"],
+    "unshare_then_mount": ["unshare", "-rm", "sh", "-c", "mount -t tmpfs x /tmp && echo mounted"],
+    "unshare_syscall": python(_LIBC + f"rc = libc.unshare({CLONE_NEWUSER})\n"
+                              "print('entered' if rc == 0 else 'refused', ctypes.get_errno())\n"
+                              "raise SystemExit(rc != 0)"),
+    # Raw clone(CLONE_NEWUSER | SIGCHLD): a child that returns 0 exits at once.
+    "clone_syscall": python(_LIBC + f"rc = libc.syscall(56, {CLONE_NEWUSER | 17}, 0, 0, 0, 0)\n"
+                            "if rc == 0:\n    os._exit(0)\n"
+                            "print('cloned' if rc > 0 else 'refused', ctypes.get_errno())\n"
+                            "raise SystemExit(rc <= 0)"),
+    # clone3 takes its flags in memory, where seccomp cannot look: it must fail outright.
+    "clone3_syscall": python(_LIBC + "args = (ctypes.c_uint64 * 11)()\n"
+                             f"args[0] = {CLONE_NEWUSER}\nargs[4] = 17\n"
+                             "rc = libc.syscall(435, ctypes.byref(args), ctypes.sizeof(args))\n"
+                             "if rc == 0:\n    os._exit(0)\n"
+                             "print('cloned' if rc > 0 else 'refused', ctypes.get_errno())\n"
+                             "raise SystemExit(rc <= 0)"),
+}
+
+
+@pytest.mark.parametrize("attempt", sorted(USERNS_ATTEMPTS))
+async def test_nested_user_namespaces_are_blocked(make_sandbox: MakeSandbox,
+                                                  attempt: str) -> None:
+    sb = await make_sandbox()
+    assert sb.capabilities().nested_userns_blocked
+    r = await sb.exec(USERNS_ATTEMPTS[attempt], 20)
+    assert r.exit_code != 0, r
+    assert "mounted" not in r.stdout and "uid=0" not in r.stdout and "cloned" not in r.stdout
+    assert "entered" not in r.stdout
+
+
+async def test_threads_and_subprocesses_still_work_without_user_namespaces(
+        make_sandbox: MakeSandbox) -> None:
+    sb = await make_sandbox()
+    code = ("import subprocess, threading\nout = []\n"
+            "t = threading.Thread(target=out.append, args=('thread',))\nt.start()\nt.join()\n"
+            "out.append(subprocess.run(['echo', 'child'], capture_output=True, text=True,"
+            " check=True).stdout.strip())\nprint(*out)")
+    r = await sb.exec(python(code), 20)
+    assert r.stdout == "thread child\n", r
