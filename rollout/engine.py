@@ -57,14 +57,17 @@ class EngineSpec:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg: "RolloutRecipe", model_path: str) -> "EngineSpec":
+    def from_config(cls, cfg: "RolloutRecipe", model_path: str, *,
+                    policy: bool = True) -> "EngineSpec":
+        """The rollout engines' spec; `policy=False` for another model (the judge), which
+        does not get the policy's model.rope_scaling."""
         from rollout.rope import build_rope_overrides, read_config_json
 
         cpu = cfg.cluster.device == "cpu"
         dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("float32" if cpu else "bfloat16")
         kv = cfg.rollout.kv_cache_memory_bytes
         overrides = (build_rope_overrides(read_config_json(model_path), cfg.model.rope_scaling)
-                     if cfg.model.rope_scaling else {})
+                     if cfg.model.rope_scaling and policy else {})
         return cls(model_path=model_path, dtype=dtype, max_model_len=cfg.model.max_context_tokens,
                    tp_size=cfg.rollout.tp_size,
                    kv_cache_memory_bytes=kv if kv is not None or not cpu else 1 << 30,

@@ -92,9 +92,10 @@ async def _abort_quietly(engine: JudgeEngine, request_id: str) -> None:
 
 def build_judge_spec(cfg: RolloutRecipe, model_path: str) -> EngineSpec:
     """The judge engines' spec: rollout's engine settings with reward.judge's parallelism
-    and KV-cache size (rollout's when reward.judge.kv_cache_memory_bytes is null)."""
+    and KV-cache size (rollout's when reward.judge.kv_cache_memory_bytes is null), without
+    the policy's RoPE scaling (model.rope_scaling is the policy's, not the judge's)."""
     j = cfg.reward.judge
-    spec = EngineSpec.from_config(cfg, model_path)
+    spec = EngineSpec.from_config(cfg, model_path, policy=False)
     kv = spec.kv_cache_memory_bytes if j.kv_cache_memory_bytes is None else j.kv_cache_memory_bytes
     return dataclasses.replace(spec, tp_size=j.tp_size, kv_cache_memory_bytes=kv)
 
