@@ -124,7 +124,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model: str | N
         hf_model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
         # Tokenizer, chat template and generation config as they are (save_pretrained
         # wrote config.json, with the export's dtype).
-        copy_model_files(files, tmp, skip=("config.json",))
+        copy_model_files(files, tmp, skip=("config.json", "sluice_build.json"))
         _record_origin(tmp, checkpoint, name)
         tmp.rename(out)
     finally:
