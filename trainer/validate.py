@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +47,15 @@ def validate_run(cfg: SluiceConfig) -> list[str]:
     """Every problem that would stop the run configured by `cfg`, one line each, each
     naming the key, file or task to change; [] when the run can start."""
     problems: list[str] = []
-    problems += _plugin_problems("agent.loop", "agent loop", [cfg.agent.loop])
-    problems += _plugin_problems("reward.fn", "reward fn", [cfg.reward.fn])
+    problems += _plugin_problems("agent.loop", "agent loop", cfg.agent.loop)
+    problems += _plugin_problems("reward.fn", "reward fn", cfg.reward.fn)
     if cfg.model.warm_start is not None:
-        problems += _plugin_problems("model.warm_start", "warm start", [cfg.model.warm_start])
+        problems += _plugin_problems("model.warm_start", "warm start", cfg.model.warm_start)
     problems += _plugin_problems("envs.sandbox_backend", "sandbox backend",
-                                 [cfg.envs.sandbox_backend])
+                                 cfg.envs.sandbox_backend)
     tool_names = set(BUILTINS["tool"]) | set(cfg.envs.tools)
     for name, ref in cfg.envs.tools.items():
-        problems += _plugin_problems(f"envs.tools.{name}", "tool", [ref], name=name)
+        problems += _plugin_problems(f"envs.tools.{name}", "tool", ref, name=name)
 
     sources = [("envs.tasks", cfg.envs.tasks, cfg.envs.task_format)]
     if cfg.eval.tasks is not None:
@@ -81,14 +81,9 @@ def validate_run(cfg: SluiceConfig) -> list[str]:
 
 # --- plug-ins ----------------------------------------------------------------------------
 
-def _plugin_problems(key: str, kind: PluginKind, names: Iterable[str], *,
-                     name: str = "") -> list[str]:
-    out = []
-    for value in names:
-        problem = check_plugin(kind, value, name=name)
-        if problem is not None:
-            out.append(f"{key}: {problem}")
-    return out
+def _plugin_problems(key: str, kind: PluginKind, value: str, *, name: str = "") -> list[str]:
+    problem = check_plugin(kind, value, name=name)
+    return [] if problem is None else [f"{key}: {problem}"]
 
 
 def check_plugin(kind: PluginKind, value: str, *, name: str = "") -> str | None:
