@@ -177,6 +177,8 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         # Mapping knobs: names to values of one schema type, each checked under its own
         # dotted key (envs.tools.NAME, model.rope_scaling.factor).
         value_hint = typing.get_args(hint)[1]
+        if value is None:  # OmegaConf merges mappings key by key: null is how one is emptied
+            return {}
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return {k: _coerce(f"{key}.{k}", value_hint, v) for k, v in value.items()}
         if isinstance(value, dict):

@@ -4,23 +4,15 @@ heads, the KV cache vs one full-length sequence, and the memory estimates' numbe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
+from model_configs import QWEN3_8B
 
 from rollout.rope import build_rope_overrides, count_positions
 from trainer.model_check import DecoderShape, check_models, format_model_report
 from trainer.recipe import ConfigError, load_config
 
-# Qwen3-8B's config.json, as its model repository ships it (weights are not needed here).
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
-    "max_position_embeddings": 40960, "model_type": "qwen3", "num_attention_heads": 32,
-    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "vocab_size": 151936}
 YARN_2X = "model.rope_scaling={rope_type: yarn, factor: 2.0, original_max_position_embeddings: 32768}"
 
 
@@ -36,8 +28,8 @@ def _swe(folder, *overrides):
 
 
 def test_recipe_context_beyond_positions_is_a_problem_naming_the_keys(qwen3_8b):
-    cfg = _swe(qwen3_8b)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_scaling={}))
+    cfg = _swe(qwen3_8b, "model.rope_scaling=null")  # null empties the recipe's mapping
+    assert cfg.model.rope_scaling == {}
     report = check_models(cfg)
     (problem,) = [p for p in report.problems if p.startswith("model.max_context_tokens")]
     assert "65,536 exceeds the 40,960 positions" in problem and "model.rope_scaling" in problem
