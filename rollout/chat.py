@@ -449,14 +449,14 @@ def chat_template_text(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def detect_family(tokenizer: PreTrainedTokenizerBase) -> str:
     """The family whose markers this tokenizer's chat template holds: the most specific
-    one (most markers) wins. A guess until the self-check (rollout.template_check)
-    verifies it on the template."""
+    one (most markers, then the longest) wins. A guess until the self-check
+    (rollout.template_check) verifies it on the template."""
     template = chat_template_text(tokenizer)
     matches = [f for f in FAMILIES.values() if f.detect and all(m in template for m in f.detect)]
     if not matches:
         raise ValueError(f"cannot detect the chat family of this template; set agent.chat_family "
                          f"to one of {', '.join(FAMILIES)} (pass family= one of them)")
-    return max(matches, key=lambda f: len(f.detect)).name
+    return max(matches, key=lambda f: (len(f.detect), sum(map(len, f.detect)))).name
 
 
 def build_continuity_builder(tokenizer: PreTrainedTokenizerBase, family: str = "auto",
@@ -466,12 +466,15 @@ def build_continuity_builder(tokenizer: PreTrainedTokenizerBase, family: str = "
                              reasoning_parser: str | None = AUTO) -> TemplateContinuity:
     """The builder for `family` ("auto" detects it from the tokenizer's chat template).
     `keep_thinking` matters only for families whose template renders reasoning. The
-    parsers are vLLM names, "auto" for the family's default, or "none"."""
+    parsers are vLLM names, "auto" for the family's default, or "none"; they are built
+    here (the first build imports vLLM, seconds), so that no trajectory waits for them."""
     name = detect_family(tokenizer) if family == AUTO else family
     if name not in FAMILIES:
         raise ValueError(f"unknown chat family {family!r}; supported: auto, {', '.join(FAMILIES)}")
-    return TemplateContinuity(tokenizer, FAMILIES[name], keep_thinking, template_kwargs,
-                              tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+    builder = TemplateContinuity(tokenizer, FAMILIES[name], keep_thinking, template_kwargs,
+                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+    builder.parser  # noqa: B018 - built now, not inside the first trajectory's event loop turn
+    return builder
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,6 +99,7 @@ def probe_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
     try:
         builder = build_continuity_builder(tokenizer, name, keep_thinking, template_kwargs,
                                            tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+        _check_nothing_unparsed(builder)
         probe = probe_conversation(builder)
         segments, messages = _play(builder, probe)
         dropped = _compare(builder, segments, messages)
@@ -116,6 +117,26 @@ def check_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
     ValueError if the ids a run would train on are not what the template renders."""
     probe_template(tokenizer, family, keep_thinking, tool_parser=tool_parser,
                    reasoning_parser=reasoning_parser, template_kwargs=template_kwargs)
+
+
+def _check_nothing_unparsed(builder: TemplateContinuity) -> None:
+    """A template that renders tool calls or reasoning needs parsers for them: without,
+    calls would never run and reasoning would train as the answer."""
+    family = builder.family
+    head = [Message("system", "S."), Message("user", "U.")]
+    marker = "SLUICE-PROBE-MARKER"
+    if builder.tool_parser_name is None:
+        call = Message("assistant", "", (ToolCall(marker, {"code": "1"}),))
+        if marker in generation_text(builder, head, call, PROBE_TOOLS):
+            raise ValueError(f"the template renders tool calls, but family {family.name!r} parses "
+                             "none; set agent.chat_family to the template's family (or "
+                             "agent.tool_parser to the parser of its call format)")
+    if builder.reasoning_parser_name is None and not builder.prompt_closes_thinking():
+        thought = Message("assistant", "Hi.", reasoning=marker)
+        if marker in generation_text(builder, head, thought, None):
+            raise ValueError(f"the template renders reasoning, but family {family.name!r} parses "
+                             "none; set agent.chat_family to the template's family (or "
+                             "agent.reasoning_parser to the parser of its reasoning markup)")
 
 
 def _play(builder: TemplateContinuity, probe: Sequence[Message]) -> tuple[list[_Segment], list[Message]]:
@@ -157,13 +178,11 @@ def _play(builder: TemplateContinuity, probe: Sequence[Message]) -> tuple[list[_
     return segments, messages
 
 
-def _generate(builder: TemplateContinuity, history: list[Message], message: Message,
-              following: Sequence[Message], prompt_ids: list[int],
-              tools: Tools | None) -> tuple[list[int], Message]:
-    """The ids a model trained on this template generates for `message`, and the message
-    the family's parsers read back from them."""
-    tokenizer, family = builder.tokenizer, builder.family
-    history = drop_reasoning_before_last_user(history) if not builder.keep_thinking else history
+def generation_text(builder: TemplateContinuity, history: Sequence[Message], message: Message,
+                    tools: Tools | None) -> str:
+    """What a model trained on the template writes for `message` after `history`: the
+    template's text of that turn when it is the newest, after the generation prompt and
+    without the closing glue (the stop token is the model's last id, not text)."""
     prompt = builder.render(history, tools, add_generation_prompt=True)
     full = builder.render([*history, message], tools, add_generation_prompt=False)
     if not full.startswith(prompt):
@@ -181,6 +200,17 @@ def _generate(builder: TemplateContinuity, history: list[Message], message: Mess
                              f"turn's closing text {glue!r}; set agent.chat_family to the "
                              "template's family")
         body = body[:-len(glue)]
+    return body
+
+
+def _generate(builder: TemplateContinuity, history: list[Message], message: Message,
+              following: Sequence[Message], prompt_ids: list[int],
+              tools: Tools | None) -> tuple[list[int], Message]:
+    """The ids a model trained on this template generates for `message`, and the message
+    the family's parsers read back from them."""
+    tokenizer, family = builder.tokenizer, builder.family
+    history = drop_reasoning_before_last_user(history) if not builder.keep_thinking else history
+    body = generation_text(builder, history, message, tools)
     stop = builder.stop_token_before(following)
     text_ids = encode(tokenizer, body)
     generated = text_ids + ([builder.stop_token_ids[family.stop_tokens.index(stop)]] if stop else [])

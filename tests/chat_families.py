@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from envs.tools.base import ToolResult, function_schema
+
 # The pre-tokenization of the Qwen2 and Llama 3 vocabularies: a run of newlines is one piece
 # even when a word follows, so the ids at turn boundaries behave as with the real tokenizers.
 FAMILY_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -178,3 +180,16 @@ SUPPORTED = (
     TemplateCase("trl:phi3_5", PHI, "phi3"),
     TemplateCase("vllm:template_chatml", QWEN, "chatml"),
 )
+
+
+class EchoTool:
+    """The one tool of the agent-loop parser tests: echoes its text argument."""
+
+    name = "echo"
+    schema = function_schema("echo", "Repeat text.", {"text": {"type": "string"}}, ("text",))
+
+    def __init__(self, env=None) -> None:
+        pass
+
+    async def execute(self, arguments) -> ToolResult:
+        return ToolResult(f"echoed {arguments.get('text')}")
