@@ -217,6 +217,9 @@ class TemplateContinuity:
       re-renders the conversation without the reasoning of turns before the last user
       message and starts a new training segment from those prompt ids.
     Tool turns never re-render anything: within a tool loop the ids stay as generated.
+    That includes what a template would change there: Qwen3's drops the empty think block
+    of an earlier tool turn (it renders one only on the newest turn), so such a turn's ids
+    differ from a re-render exactly there, as generated (docs/parsers.md).
     """
 
     __slots__ = ("tokenizer", "family", "keep_thinking", "template_kwargs", "end_of_turn_id",

@@ -17,7 +17,7 @@ from rollout.template_check import check_template, probe_template
 
 # (template, does the ids' context keep reasoning the template drops, with keep_thinking=True)
 DROPS_WITH_KEEP = {"qwen3": True, "qwen3_5_think": True, "qwen3_5_nothink": True, "glm4moe": True,
-                   "lfm2_2_5": True}
+                   "lfm2_2_5": True, "lfm2_2_5_v2": True}
 
 
 def test_at_least_ten_families_pass_and_five_of_them_think():
