@@ -156,6 +156,15 @@ def check_memory_vs_length(args, report: dict) -> None:
         steps = [(b - a) * 2**30 / (m - k) for (k, a), (m, b) in zip(peaks, peaks[1:])]
         result["ok"] = fits and max(steps) <= 3 * max(slope, 1.0)
         result["detail"] += f"; {slope / 1024:.0f} KiB per token above the weights"
+    both = [r for r in rows if not r["chunked"]["oom"] and not r.get("unchunked", {"oom": True})["oom"]
+            and "peak_gib" in r["chunked"]]
+    if both and both[-1]["tokens"] >= 8192:
+        # Past a few chunks the unchunked [T, V] logits must cost more than the chunks do.
+        last = both[-1]
+        saved = last["unchunked"]["peak_gib"] - last["chunked"]["peak_gib"]
+        result["ok"] = result["ok"] and saved > 0
+        result["detail"] += (f"; at {last['tokens']} tokens chunking saves {saved:.1f} GiB "
+                             f"of peak memory")
     report["checks"]["memory_vs_length"] = result
 
 
