@@ -151,15 +151,20 @@ def kill_everything_else() -> None:
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
-            pass  # nobody else left
-        time.sleep(0.05)
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+            break  # nobody else was left to signal
+        time.sleep(0.05)  # a fork racing the kill gets another round
+        _reap()
+    _reap()
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def read_regular(path: str, limit: int) -> bytes | None:

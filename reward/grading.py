@@ -126,7 +126,7 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
         if not os.path.isdir(task.source_dir):
             raise ValueError(f"task {task.id!r}: source_dir {task.source_dir!r} is not a folder")
         shutil.copytree(task.source_dir, dest, symlinks=True, dirs_exist_ok=True)
-    source_config = find_source_config(task.source_dir, _tests_folder(task))
+    source_config = find_source_config(task.source_dir, tests_folder(task))
     rules = build_rules(task, visible_tests_dir, source_config)
     given = given_files(task.visible_tests, rules.visible_tests_dir)
     num_reverted, not_applied = _apply_changes(dest, changes, rules, given)
@@ -151,7 +151,7 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
                          sentinels=sentinels, source_config=source_config, rules=rules)
 
 
-def _tests_folder(task: Task) -> str:
+def tests_folder(task: Task) -> str:
     """Where the task's tests live (the common folder of the expected tests' files), from
     which pytest's config file is looked for upwards."""
     files = [i.split("::", 1)[0] for i in (*task.fail_to_pass, *task.pass_to_pass)]

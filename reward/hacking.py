@@ -26,8 +26,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from envs.types import HIDDEN_TESTS_DIR, WorkspaceChanges
-from reward.base import RewardResult
+from envs.types import HIDDEN_TESTS_DIR, Task, WorkspaceChanges
+from reward.base import RewardContext, RewardResult
 from reward.config import HackPolicy
 from reward.runner_config import (STARTUP_NAMES, pytest_config_names, shadow_names,
                                   top_level_modules)
@@ -88,6 +88,34 @@ def apply_findings(result: RewardResult, findings: Iterable[Finding],
         lines.append("reward set to 0 by reward.hack_policy=zero")
     return dataclasses.replace(result, reward=reward, components=components,
                                detail="\n".join(lines))
+
+
+def with_findings(result: RewardResult, task: Task, ctx: RewardContext,
+                  visible_tests_dir: str = "visible_tests") -> RewardResult:
+    """`result` with the findings of the trajectory's diff and transcript, under the
+    context's policy: what every RewardFn's result gets (reward.tests:HiddenTests adds
+    those of its grading run too). Idempotent, so a result that has them keeps them."""
+    found = static_findings(task, ctx.workspace, ctx.transcript or ctx.final_text,
+                            visible_tests_dir)
+    return apply_findings(result, found, ctx.hack_policy)
+
+
+def static_findings(task: Task, workspace: WorkspaceChanges | None, transcript: str,
+                    visible_tests_dir: str = "visible_tests") -> list[Finding]:
+    """The findings of what the model wrote, and of its final workspace against the task
+    source (none for a workspace that was not captured)."""
+    from reward.grading import build_rules, given_files, tests_folder
+    from reward.runner_config import find_source_config
+
+    found = transcript_findings(transcript)
+    if workspace is None or workspace.problem:
+        return found
+    rules = build_rules(task, visible_tests_dir,
+                        find_source_config(task.source_dir, tests_folder(task)))
+    return found + diff_findings(workspace, DiffContext(
+        source_dir=task.source_dir, is_test_path=rules.is_test_path,
+        given=given_files(task.visible_tests, rules.visible_tests_dir),
+        import_roots=rules.import_roots, source_modules=rules.source_modules))
 
 
 # --- the diff ------------------------------------------------------------------------
@@ -313,7 +341,7 @@ def _string_features(strings: Iterable[str]) -> set[str]:
 
 # git subcommands and options that read history beyond the working tree's own state.
 _GIT_HISTORY = re.compile(
-    r"\bgit\s+(?:-[^\s]+\s+)*(?:log|reflog|show|cat-file|rev-list|fsck|fetch|pull|ls-remote|"
+    r"\bgit\s+(?:-\S+(?:\s+(?!-)\S+)?\s+)*(?:log|reflog|show|cat-file|rev-list|fsck|fetch|pull|ls-remote|"
     r"remote|for-each-ref|show-ref|describe|blame|whatchanged|shortlog|bisect|"
     r"stash\s+(?:list|show)|branch\s+(?:-a|-r|--all|--remotes)|tag\b|"
     r"checkout\s+(?!--)[0-9a-f]{7,}|diff\s+[^\n|;&]*\b(?:HEAD[~^]|[0-9a-f]{7,}))"

@@ -44,9 +44,8 @@ from reward.base import RewardContext, RewardResult, SandboxFactory
 from reward.crosscheck import RunAccount, build_account, cross_check
 from reward.grading import (BOOT, DRIVER, GRADER_CONFIG, GRADER_DIR, OUT_DIR, RECORDER,
                             RUNTIME_ZIP, GradingLayout, build_grading_dir, config_names,
-                            given_files, lock_protected)
-from reward.hacking import (DiffContext, Finding, apply_findings, diff_findings,
-                            transcript_findings)
+                            lock_protected)
+from reward.hacking import Finding, apply_findings, with_findings
 from reward.junit import MAX_REPORT_BYTES, JUnitReport, Outcome, junit_key, module_classname, \
     parse_junit
 from reward.runner_config import RUNNER_NAMES, shadow_names
@@ -110,29 +109,17 @@ class HiddenTests:
         if not (task.fail_to_pass or task.pass_to_pass or task.hidden_tests):
             raise ValueError(f"task {task.id!r} names no tests: set fail_to_pass/pass_to_pass "
                              "or hidden_tests")
-        said = transcript_findings(ctx.transcript or ctx.final_text)
         if ctx.workspace is not None and ctx.workspace.problem:
             result = RewardResult(0.0, {"workspace_error": 1.0, "grading_error": 0.0,
                                         "tamper_detected": 0.0, "tests_passed_frac": 0.0,
                                         "all_passed": 0.0},
                                   f"not graded: {ctx.workspace.problem}")
-            return apply_findings(result, said, ctx.hack_policy)
-        changes = ctx.workspace or WorkspaceChanges()
-        run = await self.grade(task, changes, ctx)
+            return with_findings(result, task, ctx, self.visible_tests_dir)
+        run = await self.grade(task, ctx.workspace or WorkspaceChanges(), ctx)
         result = score_run(task, run, self.partial_credit)
         if result.components["tamper_detected"]:
             log.warning("task %s: %s", task.id, result.detail)
-        return apply_findings(result, [*self.diff_findings(task, changes, run), *said],
-                              ctx.hack_policy)
-
-    def diff_findings(self, task: Task, changes: WorkspaceChanges,
-                      run: GradingRun) -> list[Finding]:
-        rules = run.layout.rules
-        assert rules is not None
-        return diff_findings(changes, DiffContext(
-            source_dir=task.source_dir, is_test_path=rules.is_test_path,
-            given=given_files(task.visible_tests, rules.visible_tests_dir),
-            import_roots=rules.import_roots, source_modules=rules.source_modules))
+        return with_findings(result, task, ctx, self.visible_tests_dir)
 
     async def grade(self, task: Task, changes: WorkspaceChanges,
                     ctx: RewardContext) -> GradingRun:
