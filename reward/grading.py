@@ -33,7 +33,7 @@ from reward.runner_config import (STARTUP_NAMES, SourceConfig, find_source_confi
                                   pytest_config_names, render_grader_config, shadow_names,
                                   source_module_names, top_level_modules)
 from reward.runtime import pytest_runtime_zip
-from reward.sentinels import Sentinel, plant_sentinels
+from reward.sentinels import Collection, Sentinel, plant_sentinels
 from reward.workspace import WorkspaceChanges
 
 GRADER_DIR = ".sluice_grading"  # grader-owned folder in the grading workspace
@@ -134,7 +134,9 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
     _copy_hidden_tests(task, dest)
     _write_grader_files(dest, render_grader_config(source_config))
     test_args = _test_args(task, dest)
-    sentinels = plant_sentinels(dest, _test_files(dest, test_args), rng, rng.choice((2, 3)))
+    collection = Collection.from_options(source_config.values if source_config else {})
+    sentinels = plant_sentinels(dest, _test_files(dest, test_args), rng, rng.choice((2, 3)),
+                                collection)
     test_args += tuple(dict.fromkeys(
         f for f in (s.node_id.split("::")[0] for s in sentinels)
         if not any(f == a or f.startswith(a.rstrip("/") + "/") for a in test_args)))

@@ -38,6 +38,9 @@ _PATH_OPTIONS = ("pythonpath",)
 _DROPPED_FLAGS = frozenset({"-x", "--exitfirst", "--sw", "--stepwise", "--stepwise-skip",
                             "--lf", "--last-failed", "--ff", "--failed-first", "--nf",
                             "--new-first", "--pdb", "--trace"})
+# Options of the source's config that grading does not carry: the plugins it requires are
+# not in the grading runtime (plugin autoload is off), and the grader owns the report.
+_DROPPED_OPTIONS = frozenset({"required_plugins", "junit_suite_name", "cache_dir"})
 _DROPPED_WITH_VALUE = ("--maxfail", "-k", "-m", "--junitxml", "--junit-xml", "--deselect",
                        "--ignore", "--ignore-glob", "--basetemp")
 
@@ -118,6 +121,8 @@ def render_grader_config(config: SourceConfig | None) -> str:
     table = "tool.pytest.ini_options" if config.mode == "ini" else "tool.pytest"
     lines.append(f"[{table}]")
     for key, value in sorted(config.values.items()):
+        if key in _DROPPED_OPTIONS:
+            continue
         if key in _PATH_OPTIONS:
             value = [f"{WORKSPACE_MOUNT}/{d}".rstrip("/") for d in config.pythonpath_dirs]
         elif key == "addopts":

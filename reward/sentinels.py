@@ -18,11 +18,15 @@ raised or never ran.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import os
 import random
 import re
+import shlex
 import string
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 WORDS = ("again", "basic", "case", "check", "edge", "extra", "inputs", "large", "mixed", "more",
          "other", "regression", "repeat", "second", "simple", "small", "values", "variant")
@@ -41,6 +45,44 @@ class Sentinel:
 
 
 @dataclass(frozen=True, slots=True)
+class Collection:
+    """Which names pytest collects as tests (python_functions, python_classes): prefixes
+    or glob patterns, as the task source's config sets them."""
+
+    functions: tuple[str, ...] = ("test",)  # pytest's defaults
+    classes: tuple[str, ...] = ("Test",)
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any]) -> Collection:
+        def patterns(key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+            raw = values.get(key)
+            if raw is None:
+                return default
+            return tuple(shlex.split(raw) if isinstance(raw, str) else map(str, raw)) or default
+
+        return cls(patterns("python_functions", ("test",)), patterns("python_classes", ("Test",)))
+
+    def function(self, name: str) -> bool:
+        return _matches(name, self.functions)
+
+    def test_class(self, node: ast.ClassDef) -> bool:
+        return _matches(node.name, self.classes) or _is_unittest(node)
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """pytest's rule: a prefix, or a glob pattern where the option looks like one."""
+    return any(name.startswith(p) or (any(c in p for c in "*?[") and fnmatch.fnmatch(name, p))
+               for p in patterns)
+
+
+def _is_unittest(node: ast.ClassDef) -> bool:
+    """A unittest.TestCase class (by its bases' names): collected whatever python_classes
+    says, its methods by unittest's own `test` prefix."""
+    return any((b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")).endswith(
+        "TestCase") for b in node.bases)
+
+
+@dataclass(frozen=True, slots=True)
 class Template:
     """A test the sentinel is modelled on: a function at module level, or a method of a
     top-level class."""
@@ -49,21 +91,25 @@ class Template:
     cls: ast.ClassDef | None
 
 
-def plant_sentinels(dest: str, target_files: list[str], rng: random.Random,
-                    count: int) -> tuple[Sentinel, ...]:
+def plant_sentinels(dest: str, target_files: list[str], rng: random.Random, count: int,
+                    collection: Collection = Collection()) -> tuple[Sentinel, ...]:
     """Write `count` sentinels into the test files `target_files` (relative to `dest`),
-    or, when none holds a test to model one on, into a new test file next to the first."""
+    or, when none holds a test to model one on, into a new test file next to the first;
+    each is named so that pytest collects it under `collection`."""
     planted: list[Sentinel] = []
     for _ in range(count):
         ids = {p.node_id for p in planted}
-        candidates = [(f, t) for f in target_files for t in _templates(os.path.join(dest, f))
+        candidates = [(f, t) for f in target_files
+                      for t in _templates(os.path.join(dest, f), collection)
                       if _node_id(f, t, t.node.name) not in ids]
-        if candidates:
-            path, template = rng.choice(candidates)
-            node_id = _plant_after(dest, path, template, rng)
-            planted.append(Sentinel(node_id, _node_id(path, template, template.node.name)))
+        rng.shuffle(candidates)
+        for path, template in candidates:
+            node_id = _plant_after(dest, path, template, rng, collection)
+            if node_id is not None:
+                planted.append(Sentinel(node_id, _node_id(path, template, template.node.name)))
+                break
         else:
-            planted.append(Sentinel(_plant_in_new_file(dest, target_files, rng), None))
+            planted.append(Sentinel(_plant_in_new_file(dest, target_files, rng, collection), None))
     return tuple(planted)
 
 
@@ -79,7 +125,7 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _templates(path: str) -> list[Template]:
+def _templates(path: str, collection: Collection) -> list[Template]:
     text = _read(path)
     if text is None:
         return []
@@ -89,22 +135,36 @@ def _templates(path: str) -> list[Template]:
         return []
     found = []
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+        if isinstance(node, ast.FunctionDef) and collection.function(node.name):
             found.append(Template(node, None))
-        elif isinstance(node, ast.ClassDef):
+        elif isinstance(node, ast.ClassDef) and collection.test_class(node):
+            wanted = _collected_names(node, collection)
             found += [Template(m, node) for m in node.body
-                      if isinstance(m, ast.FunctionDef) and m.name.startswith("test")]
+                      if isinstance(m, ast.FunctionDef) and wanted(m.name)]
     return found
 
 
-def _plant_after(dest: str, path: str, template: Template, rng: random.Random) -> str:
+def _collected_names(cls: ast.ClassDef | None,
+                     collection: Collection) -> Callable[[str], bool]:
+    """What pytest collects as a test in `cls` (None: at module level)."""
+    if cls is not None and _is_unittest(cls):
+        return lambda name: name.startswith("test")
+    return collection.function
+
+
+def _plant_after(dest: str, path: str, template: Template, rng: random.Random,
+                 collection: Collection) -> str | None:
+    """The sentinel's node id, or None when no collectable name could be made for it."""
     full = os.path.join(dest, path)
     text = _read(full)
     assert text is not None
     lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith(("\n", "\r")):
         lines[-1] += "\n"
-    name = _fresh_name(template, _taken_names(text), rng)
+    name = _fresh_name(template, _taken_names(text), rng,
+                       _collected_names(template.cls, collection))
+    if name is None:
+        return None
     source = _sentinel_source(lines, template, name, rng)
     gap = "\n" if template.cls is not None else "\n\n"
     end = template.node.end_lineno or template.node.lineno
@@ -114,13 +174,14 @@ def _plant_after(dest: str, path: str, template: Template, rng: random.Random) -
     return _node_id(path, template, name)
 
 
-def _plant_in_new_file(dest: str, target_files: list[str], rng: random.Random) -> str:
+def _plant_in_new_file(dest: str, target_files: list[str], rng: random.Random,
+                       collection: Collection) -> str:
     folder = os.path.dirname(target_files[0]) if target_files else ""
     while True:
         rel = os.path.join(folder, f"test_{rng.choice(WORDS)}_{rng.choice(WORDS)}.py")
         if not os.path.lexists(os.path.join(dest, rel)):
             break
-    name = f"test_{rng.choice(WORDS)}"
+    name = _name_for(collection.functions[0], rng)
     os.makedirs(os.path.join(dest, folder), exist_ok=True)
     with open(os.path.join(dest, rel), "w", encoding="utf-8") as f:
         f.write(f"def {name}():\n    {_false_assertion(rng, unittest_style=False)}\n")
@@ -128,17 +189,27 @@ def _plant_in_new_file(dest: str, target_files: list[str], rng: random.Random) -
     return f"{rel}::{name}"
 
 
+def _name_for(pattern: str, rng: random.Random) -> str:
+    """A function name that `pattern` (a prefix or a glob) collects."""
+    if not any(c in pattern for c in "*?["):
+        return f"{pattern}_{rng.choice(WORDS)}" if pattern else f"test_{rng.choice(WORDS)}"
+    name = re.sub(r"\[[^\]]*\]", "a", pattern).replace("?", "a").replace("*", rng.choice(WORDS))
+    return name if name.isidentifier() else f"test_{rng.choice(WORDS)}"
+
+
 def _taken_names(text: str) -> set[str]:
     return set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text))
 
 
-def _fresh_name(template: Template, taken: set[str], rng: random.Random) -> str:
+def _fresh_name(template: Template, taken: set[str], rng: random.Random,
+                collected: Callable[[str], bool]) -> str | None:
     """A name like the file's tests: the template's with a word added at its end or after
-    its prefix, or another test name's words recombined; never one in use."""
+    its prefix, or other test names' words recombined; never one in use, always one that
+    `collected` (pytest's rule for the file) accepts. None if no such name was found."""
     base = template.node.name
     prefix, _, rest = base.partition("_")
-    words = sorted({w for t in taken if t.startswith("test_") for w in t.split("_")[1:] if w})
-    while True:
+    words = sorted({w for t in taken if collected(t) for w in t.split("_")[1:] if w})
+    for _ in range(64):
         shape = rng.randrange(3)
         if shape == 0 or not rest:
             name = f"{base}_{rng.choice(WORDS)}"
@@ -149,8 +220,9 @@ def _fresh_name(template: Template, taken: set[str], rng: random.Random) -> str:
             name = "_".join([prefix, *picked, rng.choice(WORDS)])
         if rng.random() < 0.2:
             name += f"_{rng.randrange(2, 10)}"
-        if name not in taken:
+        if name not in taken and name.isidentifier() and collected(name):
             return name
+    return None
 
 
 def _copyable(node: ast.FunctionDef) -> bool:

@@ -174,17 +174,19 @@ TOML_CONFIG = SweCase(
 
 SLOW = "def twice(x):\n    return x * 3\n"
 SLOW_TESTS = ("import pytest\n\nfrom twice import twice\n\n\n@pytest.mark.slow\n"
-              "def test_big():\n    assert twice(10 ** 6) == 2 * 10 ** 6\n\n\n"
-              "def test_small():\n    assert twice(2) == 4\n")
-# tox.ini config deselecting slow tests and stopping early: grading runs them anyway.
+              "def check_big():\n    assert twice(10 ** 6) == 2 * 10 ** 6\n\n\n"
+              "def check_small():\n    assert twice(2) == 4\n")
+# tox.ini config whose tests are `check_*` functions, that deselects slow tests, stops
+# early and requires a plugin the grading runtime does not have: graded all the same.
 TOX = SweCase(
     name="tox",
     base={"twice.py": SLOW, "tests/test_twice.py": SLOW_TESTS.replace("twice(2) == 4", "True"),
           "tox.ini": "[tox]\nenvlist = py3\n\n[pytest]\naddopts = -m 'not slow' --maxfail=1\n"
+                     "python_functions = check_*\nrequired_plugins = pytest-timeout>=2\n"
                      "markers =\n    slow: slow tests\n"},
     fix={"twice.py": SLOW.replace("x * 3", "x * 2")},
     tests_after={"tests/test_twice.py": SLOW_TESTS},
-    fail_to_pass=("tests/test_twice.py::test_big", "tests/test_twice.py::test_small"),
+    fail_to_pass=("tests/test_twice.py::check_big", "tests/test_twice.py::check_small"),
     pass_to_pass=())
 
 SWE_CASES = (CALC, SRC_LAYOUT, TOML_CONFIG, TOX)

@@ -21,7 +21,7 @@ from reward.driver import verify_stream
 from reward.patch import patched_files
 from reward.runner_config import (find_source_config, grading_addopts, pytest_config_names,
                                   render_grader_config, top_level_modules)
-from reward.sentinels import plant_sentinels
+from reward.sentinels import Collection, plant_sentinels
 
 
 def test_config_names_come_from_pytest_itself() -> None:
@@ -215,6 +215,23 @@ def test_sentinels_are_valid_tests_of_the_file_that_must_fail(tmp_path: Path, se
         # The last line is false whatever the code under test does.
         check = last.replace("self.assertEqual(", "(lambda a, b: a == b)(")
         assert eval(check.removeprefix("assert ")) is False, last
+
+
+def test_sentinels_follow_the_sources_collection_patterns(tmp_path: Path) -> None:
+    (tmp_path / "test_c.py").write_text(
+        "import unittest\n\n\ndef check_one():\n    assert True\n\n\n"
+        "class Checks:\n    def check_two(self):\n        assert True\n\n\n"
+        "class Old(unittest.TestCase):\n    def test_three(self):\n        pass\n")
+    collection = Collection.from_options({"python_functions": "check_*",
+                                          "python_classes": ["Checks"]})
+    for seed in range(6):
+        planted = plant_sentinels(str(tmp_path), ["test_c.py"], random.Random(seed), 2, collection)
+        for s in planted:
+            name = s.node_id.rsplit("::", 1)[1]
+            assert name.startswith("test" if "::Old::" in s.node_id else "check_"), s.node_id
+    (tmp_path / "test_d.py").write_text("X = 1\n")
+    [new] = plant_sentinels(str(tmp_path), ["test_d.py"], random.Random(0), 1, collection)
+    assert new.node_id.rsplit("::", 1)[1].startswith("check_")
 
 
 def test_a_file_without_tests_gets_a_new_test_module(tmp_path: Path) -> None:
