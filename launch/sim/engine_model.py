@@ -244,6 +244,8 @@ class EngineModel:
         n = len(self._running)
         a = self.spec.decode_step_s(self._kv_sum_base + n * self._step)
         c = (self.spec.decode_step_s(1) - self.spec.decode_step_s(0)) * n / 2
+        if a <= 0 and c <= 0:  # zero-latency decode: any number of steps fits
+            return self._running[0][0] - self._step
         m = int(seconds / a) if c == 0 else \
             int((-(a - c) + math.sqrt((a - c) ** 2 + 4 * c * seconds)) / (2 * c))
         while self._steps_s(m + 1) <= seconds:  # float rounding of the root

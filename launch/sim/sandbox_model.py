@@ -37,9 +37,8 @@ class ExecTimeModel:
     restart_s: float = 3.0  # a cold container start (the seed: 1-5 s)
 
     def __post_init__(self) -> None:
-        for name in ("mean_s", "timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+        if self.mean_s < 0 or self.timeout_s <= 0:
+            raise ValueError("mean_s must be >= 0 and timeout_s > 0")
         for name in ("hang_prob", "crash_prob"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1)")
@@ -105,7 +104,7 @@ class SandboxPoolModel:
 
     def acquire(self, now: float, holder: str) -> bool:
         """True: granted now; False: queued, granted by a later `release`."""
-        if holder in self._holders or any(h == holder for h, _ in self._queue):
+        if holder in self._holders or self.is_queued(holder):
             raise ValueError(f"{holder} already holds or waits for a sandbox")
         self._tick(now)
         if len(self._holders) < self.num_sandboxes:
@@ -131,6 +130,15 @@ class SandboxPoolModel:
             granted.append(waiter)
         self._record(now)
         return granted
+
+    def leave_queue(self, now: float, holder: str) -> None:
+        """A waiter gives up (its trajectory timed out or was cancelled)."""
+        self._tick(now)
+        self._queue = deque((h, t) for h, t in self._queue if h != holder)
+        self._record(now)
+
+    def is_queued(self, holder: str) -> bool:
+        return any(h == holder for h, _ in self._queue)
 
     def stats(self, now: float) -> SandboxPoolStats:
         self._tick(now)

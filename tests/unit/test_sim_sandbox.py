@@ -66,8 +66,9 @@ def test_the_seed_preset_hangs_in_one_trajectory_of_twenty():
 def test_bad_models_are_rejected():
     with pytest.raises(ValueError, match="hang_prob"):
         ExecTimeModel(hang_prob=1.0)
-    with pytest.raises(ValueError, match="mean_s"):
-        ExecTimeModel(mean_s=0.0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        ExecTimeModel(timeout_s=0.0)
+    assert ExecTimeModel(mean_s=0.0).sample(random.Random(0)).seconds == 0.0  # no tool wait
 
 
 def test_the_pool_queues_first_come_first_served_and_counts():

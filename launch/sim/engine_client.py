@@ -1,0 +1,137 @@
+"""The engine model behind the router's `EngineClient` interface, on the running event
+loop's clock: under a virtual clock (looptime) a generate call takes the model's time and
+no real time. One driver task per engine advances the model to each of its events.
+
+The sizes of a call come from the simulated agent loop (`SimWorld.register`): ids sent to
+the engine stand for `token_unit` tokens each, so 40K-token trajectories stay small in
+memory while the engine model, the KV pool and the trainer see the real token counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from launch.sim.engine_model import EngineModel, SimRequest
+from rollout.engine import EngineStats, Sampling, TokenOutput
+
+BEHAVIOUR_LOGPROB = -0.7  # any finite value <= 0: the simulated policy's tokens
+CLOCK_RESOLUTION_S = 1e-6
+
+
+@dataclass(slots=True)
+class SimWorld:
+    """What the simulated agent loop tells the engines about each call: its real sizes."""
+
+    token_unit: int
+    requests: dict[str, SimRequest] = field(default_factory=dict)
+
+    def register(self, request: SimRequest) -> None:
+        self.requests[request.request_id] = request
+
+    def take(self, request_id: str) -> SimRequest:
+        # The router appends ".<attempt>" to the agent loop's request id.
+        return self.requests.pop(request_id.rsplit(".", 1)[0])
+
+
+class SimEngine:
+    """An `EngineClient` whose generate calls are timed by an `EngineModel`."""
+
+    def __init__(self, model: EngineModel, world: SimWorld) -> None:
+        self.model = model
+        self.world = world
+        self.version = 0
+        self.paused = False
+        self.num_failed_resets = 0  # prefix-cache resets refused (requests held blocks)
+        self._futures: dict[str, asyncio.Future[int]] = {}
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task | None = None
+
+    async def generate(self, request_id: str, prompt_ids: np.ndarray | list[int],
+                       sampling: Sampling) -> TokenOutput:
+        loop = asyncio.get_running_loop()
+        request = self.world.take(request_id)
+        future: asyncio.Future[int] = loop.create_future()
+        self._futures[request.request_id] = future
+        self.model.submit(loop.time(), request)
+        self._ensure_driver().set()
+        cached = await future
+        n = max(1, request.new_tokens // self.world.token_unit)
+        return TokenOutput(token_ids=np.ones(n, np.int32),
+                           logprobs=np.full(n, BEHAVIOUR_LOGPROB, np.float32),
+                           versions=np.full(n, self.version, np.int32), finish_reason="stop",
+                           num_prompt_tokens=len(prompt_ids),
+                           cached_prompt_tokens=cached // self.world.token_unit)
+
+    def _ensure_driver(self) -> asyncio.Event:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.create_task(self._drive())
+        return self._wake
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while True:
+            now = loop.time()
+            while True:
+                for done in self.model.advance(now):
+                    future = self._futures.pop(done.request_id)
+                    if not future.done():
+                        future.set_result(done.cached_tokens)
+                at = self.model.next_event_s()
+                # The loop's clock is rounded (looptime: 1 us): an event due within that
+                # is processed now, else its timer would fire at once, forever.
+                if at is None or at > now + CLOCK_RESOLUTION_S:
+                    break
+                now = at
+            self._wake.clear()
+            timer = loop.call_at(at, self._wake.set) if at is not None else None
+            await self._wake.wait()
+            if timer is not None:
+                timer.cancel()
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError("the engine model does not abort requests; the simulator "
+                                  "pushes weights only at turn boundaries")
+
+    async def pause(self) -> None:
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.paused = False
+
+    async def update_weights(self, version: int, blob: bytes | None = None,
+                             path: str | None = None) -> None:
+        """Adopt `version` and drop the prefix cache, as the real engines do after a push."""
+        self.version = version
+        await self.reset_prefix_cache()
+
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                backend: str, timeout_s: float) -> list[int]:
+        raise NotImplementedError("simulated pushes go through update_weights")
+
+    async def receive_weights(self, version: int, wire: list[dict]) -> None:
+        raise NotImplementedError("simulated pushes go through update_weights")
+
+    async def reset_prefix_cache(self) -> None:
+        if not self.model.reset_prefix_cache():
+            self.num_failed_resets += 1
+
+    async def checksum(self, names: list[str]) -> str:
+        return f"v{self.version}"
+
+    async def get_stats(self) -> EngineStats:
+        s = self.model.stats()
+        return EngineStats(version=self.version, num_in_flight=len(self._futures),
+                           num_running=s.num_running, num_waiting=s.num_waiting,
+                           kv_cache_usage=s.kv_used_blocks / s.kv_total_blocks,
+                           prefix_cache_queries=s.prefix_cache_queries,
+                           prefix_cache_hits=s.prefix_cache_hits, paused=self.paused)

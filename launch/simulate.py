@@ -1,0 +1,286 @@
+"""Virtual-clock simulator: `python -m launch.simulate recipe=NAME.yaml [section.key=value ...]
+--mode sync|async [--steps N] [--tail none|seed] [--sandboxes stateful|releasable]
+[--token-unit N] [--seed N] [--json] [--trace FILE]`.
+
+Runs the real `Controller` and `ReplayBuffer` (admission bound, staleness, accounting),
+the real `Router` (sticky, least-loaded first turn) and `TurnGate` (pushes at turn
+boundaries) on an asyncio loop whose clock fast-forwards (looptime), against simulated
+engines (launch.sim.engine_model: HBM-bound decode, FLOP-bound prefill, KV pool with an LRU
+prefix cache), sandboxes (launch.sim.sandbox_model: heavy-tailed exec times, a fixed pool
+with queueing) and trainer (launch.sim.trainer_model: the planner's step formula, push
+bytes over bandwidth). The workload is the recipe's `plan` section, as for the planner,
+whose accounts are printed beside the simulator's.
+
+Not the real agent-loop worker: trajectories are coroutines of `launch.sim.sides` that go
+through the router and gate but skip tokenisation, tool parsing and reward functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from envs.types import Group, Message, Task
+from launch.plan import build_plan, compute_account, compute_sandbox_nodes
+from launch.sim.engine_client import SimEngine, SimWorld
+from launch.sim.engine_model import EngineModel, build_engine_spec
+from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel, hang_prob_for
+from launch.sim.sides import SimRollout, SimSandboxes, SimTrainer, TrajectoryProfile
+from launch.sim.trainer_model import TrainerModel
+from trainer.config import SluiceConfig
+from trainer.recipe import load_config
+
+USAGE = __doc__.split("\n\n")[0]
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    mode: str = "async"
+    steps: int = 3
+    tail: str = "none"  # none: every exec takes plan.exec_s; seed: the seed's long tail
+    sandboxes: str = "stateful"
+    token_unit: int = 100  # real tokens per id kept by the simulated agent loop
+    seed: int = 0
+    restore_s: float = 0.5  # snapshot restore per grant of a releasable sandbox
+    push_bytes_per_s: float = 50e9  # weight push bandwidth (NCCL broadcast)
+    push_latency_s: float = 1.0  # pause, checksum, resume
+
+
+@dataclass(frozen=True, slots=True)
+class SimReport:
+    mode: str
+    tail: str
+    steps: int
+    step_s: tuple[float, ...]  # virtual seconds of each step (push to push)
+    mean_step_s: float  # over the steps after the first (the pipeline is full)
+    trainer_idle_ratio: float
+    rollout_idle_ratio: float  # engine time neither prefilling nor decoding
+    staleness_mean: float
+    staleness_max: int
+    prefix_cache_hit_rate: float  # hit tokens / prompt tokens, as vLLM counts them
+    prefill_s_per_step: float  # per engine, as the planner's prefill_*_s
+    decode_s_per_step: float
+    sandboxes_peak: int
+    sandboxes_mean: float
+    sandbox_wait_mean_s: float
+    sandbox_wait_max_s: float
+    trajectory_wall_mean_s: float
+    trajectory_wall_max_s: float
+    turns: int
+    trajectories_trained: int
+    admitted: int  # groups
+    dropped: dict[str, int]
+    running: int  # groups in flight when the run ended
+    buffered: int  # terminal groups not trained when the run ended
+    end_reasons: dict[str, int]
+    failed_cache_resets: int
+    virtual_s: float
+    wall_s: float
+
+
+def build_exec_model(cfg: SluiceConfig, turns: int, tail: str) -> ExecTimeModel:
+    p = cfg.plan
+    if tail == "none":
+        return ExecTimeModel(mean_s=p.exec_s, sigma=0.0, timeout_s=float("inf"))
+    if tail == "seed":  # the seed's long-tail table, cut at the recipe's tool timeout
+        return ExecTimeModel(mean_s=p.exec_s, sigma=0.6, hang_prob=hang_prob_for(0.05, turns),
+                             timeout_s=cfg.agent.tool_timeout_s, crash_prob=0.01,
+                             max_retries=3, restart_s=3.0)
+    raise ValueError(f"--tail {tail!r}: use none or seed")
+
+
+class _Collect:
+    """A metrics sink that keeps the controller's per-step metrics."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.rows.append({"step": step, **metrics})
+
+    def close(self) -> None:
+        return None
+
+
+async def simulate(cfg: SluiceConfig, opts: SimOptions) -> tuple[SimReport, list[dict]]:
+    """One simulated run of `opts.steps` steps; the report and the per-turn trace."""
+    from trainer.controller import Controller  # deferred: torch
+    from trainer.metrics import MetricsLogger
+
+    plan = build_plan(cfg)
+    p = plan.inputs
+    loop = asyncio.get_running_loop()
+    world = SimWorld(opts.token_unit)
+    spec = build_engine_spec(plan, max_num_seqs=cfg.rollout.max_num_seqs)
+    engines = {f"engine{i}": SimEngine(EngineModel(spec), world)
+               for i in range(cfg.rollout.num_engines)}
+    pool = SandboxPoolModel(cfg.envs.num_sandbox_workers * cfg.envs.sandboxes_per_worker,
+                            restore_s=opts.restore_s)
+    profile = TrajectoryProfile(p.turns, p.prompt_tokens, p.gen_tokens, p.obs_tokens,
+                                opts.token_unit)
+    rollout = SimRollout(profile=profile, engines=engines, world=world,
+                         sandboxes=SimSandboxes(pool),
+                         exec_model=build_exec_model(cfg, p.turns, opts.tail),
+                         releasable=opts.sandboxes == "releasable",
+                         trajectory_timeout_s=cfg.agent.trajectory_timeout_s, seed=opts.seed)
+    trainer = SimTrainer(TrainerModel.from_plan(plan, opts.push_bytes_per_s, opts.push_latency_s),
+                         engines, opts.token_unit)
+    tasks = [Task(id=f"task{i}", messages=(Message(role="user", content=f"task {i}"),))
+             for i in range(cfg.train.groups_per_step * 4)]
+    sink = _Collect()
+    controller = Controller(cfg, tasks=tasks, rollout=rollout, trainer=trainer,
+                            logger=MetricsLogger([sink]))
+    staleness: list[int] = []
+
+    def on_batch(groups: list[Group], version: int) -> None:
+        staleness.extend(version - t.oldest_version for g in groups for t in g.trajectories
+                         if t.oldest_version is not None)
+
+    wall = time.monotonic()
+    try:
+        summary = await controller.run(on_batch=on_batch)
+    finally:
+        rollout.close()
+    end_s = loop.time()
+    return _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, end_s,
+                   time.monotonic() - wall), rollout.trace
+
+
+def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, end_s, wall_s) -> SimReport:
+    steps = trainer.steps
+    ends = [s.push_end_s for s in steps]
+    step_s = tuple(b - a for a, b in zip([0.0] + ends[:-1], ends))
+    busy = sum(s.push_end_s - s.train_start_s for s in steps)
+    stats = [e.model.stats() for e in engines.values()]
+    engine_busy = [s.prefill_busy_s + s.decode_busy_s for s in stats]
+    queries = sum(s.prefix_cache_queries for s in stats)
+    walls = {}
+    for event in rollout.trace:
+        first, last = walls.get(event["traj"], (event["gate_s"], event["tool_end_s"]))
+        walls[event["traj"]] = (min(first, event["gate_s"]), max(last, event["tool_end_s"]))
+    durations = [b - a for a, b in walls.values()] or [0.0]
+    n = max(len(steps), 1)
+    pool_stats = pool.stats(end_s)
+    return SimReport(
+        mode=opts.mode, tail=opts.tail, steps=len(steps), step_s=step_s,
+        mean_step_s=sum(step_s[1:]) / (len(step_s) - 1) if len(step_s) > 1 else
+        (step_s[0] if step_s else 0.0),
+        trainer_idle_ratio=1 - busy / end_s if end_s else 0.0,
+        rollout_idle_ratio=1 - sum(engine_busy) / (len(stats) * end_s) if end_s else 0.0,
+        staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
+        staleness_max=max(staleness, default=0),
+        prefix_cache_hit_rate=sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
+        prefill_s_per_step=sum(s.prefill_busy_s for s in stats) / len(stats) / n,
+        decode_s_per_step=sum(s.decode_busy_s for s in stats) / len(stats) / n,
+        sandboxes_peak=pool_stats.peak_in_use, sandboxes_mean=pool_stats.mean_in_use,
+        sandbox_wait_mean_s=pool_stats.mean_wait_s, sandbox_wait_max_s=pool_stats.max_wait_s,
+        trajectory_wall_mean_s=sum(durations) / len(durations),
+        trajectory_wall_max_s=max(durations), turns=len(rollout.trace),
+        trajectories_trained=summary.trained * cfg.train.group_size, admitted=summary.admitted,
+        dropped=dict(summary.dropped), running=summary.running, buffered=summary.buffered,
+        end_reasons=dict(rollout._end_reasons),
+        failed_cache_resets=sum(e.num_failed_resets for e in engines.values()),
+        virtual_s=end_s, wall_s=wall_s)
+
+
+def run_simulation(cfg: SluiceConfig, opts: SimOptions) -> tuple[SimReport, list[dict]]:
+    """`simulate` on a fresh virtual-clock loop starting at 0."""
+    import looptime  # deferred: only the simulator fast-forwards time
+
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=2)
+    try:
+        return loop.run_until_complete(simulate(cfg, opts))
+    finally:
+        loop.close()
+
+
+def format_report(cfg: SluiceConfig, r: SimReport) -> str:
+    plan = build_plan(cfg)
+    a = compute_account(plan.inputs)
+    rows = [("step wall clock (s)", f"{r.mean_step_s:,.0f}", f"window {plan.inputs.window_s:,.0f}"),
+            ("trajectory wall, mean / max (s)", f"{r.trajectory_wall_mean_s:,.0f} / "
+             f"{r.trajectory_wall_max_s:,.0f}", f"{a.trajectory_wall_s:,.0f}"),
+            ("decode per step (s)", f"{r.decode_s_per_step:,.0f}", f"{a.decode_s:,.0f}"),
+            ("prefill per step (s)", f"{r.prefill_s_per_step:,.0f}",
+             f"{a.prefill_expected_s:,.0f} ({a.prefill_cached_s:,.0f}-{a.prefill_uncached_s:,.0f})"),
+            ("prefix-cache hit rate / KV resident", f"{r.prefix_cache_hit_rate:.1%}",
+             f"{a.kv_resident_fraction:.1%}"),
+            ("sandboxes mean / peak", f"{r.sandboxes_mean:,.0f} / {r.sandboxes_peak:,}",
+             f"{a.sandboxes_stateful:,.0f} stateful / {a.sandboxes_releasable:,.0f} releasable"),
+            ("sandbox nodes at the peak", f"{compute_sandbox_nodes(r.sandboxes_peak, plan.node):,}",
+             ""),
+            ("training step (s)", "", f"{a.train_s:,.0f}")]
+    lines = [f"simulated {r.steps} steps, mode={r.mode}, tail={r.tail}: {r.turns:,} turns, "
+             f"{r.virtual_s:,.0f} virtual s in {r.wall_s:.1f} s of wall clock",
+             f"  {'':<36}{'simulator':>20}  planner"]
+    lines += [f"  {k:<36}{v:>20}  {w}" for k, v, w in rows]
+    lines += [f"  step times (s): {', '.join(f'{s:,.0f}' for s in r.step_s)}",
+              f"  trainer idle {r.trainer_idle_ratio:.0%}, rollout (engine) idle "
+              f"{r.rollout_idle_ratio:.0%}; staleness mean {r.staleness_mean:.2f}, max "
+              f"{r.staleness_max}; sandbox wait mean {r.sandbox_wait_mean_s:.1f} s, max "
+              f"{r.sandbox_wait_max_s:.0f} s",
+              f"  admitted {r.admitted} groups, trained {r.trajectories_trained} trajectories, "
+              f"dropped {r.dropped or 'none'}, ends {r.end_reasons}"]
+    return "\n".join(lines)
+
+
+def parse_argv(argv: list[str]) -> tuple[str | None, list[str], SimOptions, bool, str | None]:
+    """(recipe, overrides, options, as_json, trace path); flags take `--flag value`."""
+    recipe, overrides, values, as_json, trace = None, [], {}, False, None
+    names = {"--mode": "mode", "--steps": "steps", "--tail": "tail", "--sandboxes": "sandboxes",
+             "--token-unit": "token_unit", "--seed": "seed"}
+    it = iter(argv)
+    for arg in it:
+        if arg == "--json":
+            as_json = True
+        elif arg in names or arg == "--trace":
+            value = next(it, None)
+            if value is None:
+                raise ValueError(f"{arg} needs a value")
+            if arg == "--trace":
+                trace = value
+            else:
+                values[names[arg]] = value
+        elif arg.startswith("-"):
+            raise ValueError(f"unknown flag {arg!r}; see python -m launch.simulate --help")
+        elif arg.startswith("recipe="):
+            recipe = arg.removeprefix("recipe=")
+        else:
+            overrides.append(arg)
+    types = {f.name: f.type for f in dataclasses.fields(SimOptions)}
+    opts = SimOptions(**{k: int(v) if types[k] == "int" else v for k, v in values.items()})
+    if opts.mode not in ("sync", "async") or opts.sandboxes not in ("stateful", "releasable"):
+        raise ValueError("--mode is sync or async; --sandboxes is stateful or releasable")
+    if opts.steps < 1 or opts.token_unit < 1:
+        raise ValueError("--steps and --token-unit must be >= 1")
+    return recipe, overrides, opts, as_json, trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        recipe, overrides, opts, as_json, trace = parse_argv(argv)
+        cfg = load_config(recipe, [*overrides, f"train.mode={opts.mode}",
+                                   f"train.num_steps={opts.steps}", "eval.tasks=null"])
+        build_exec_model(cfg, 1, opts.tail)
+        build_plan(cfg)
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    report, events = run_simulation(cfg, opts)
+    if trace:
+        Path(trace).write_text("".join(json.dumps(e) + "\n" for e in events))
+    print(json.dumps(dataclasses.asdict(report), indent=2) if as_json else format_report(cfg, report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
