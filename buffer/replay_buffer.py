@@ -109,6 +109,10 @@ class ReplayBuffer:
         return (self.max_staleness + 1) * self.groups_per_step
 
     @property
+    def num_running(self) -> int:
+        return self._running
+
+    @property
     def num_alive(self) -> int:
         """Running + buffered + in training: what admission is bounded on."""
         return self._running + len(self._groups) + self._in_training

@@ -24,6 +24,11 @@ class EnvsConfig:
     num_sandbox_workers: int = knob(1, "SandboxWorker actors in the sandbox pool.")
     cpus_per_sandbox_worker: float = knob(1.0, "Ray CPUs reserved per SandboxWorker.")
     sandboxes_per_worker: int = knob(64, "Most live sandboxes one worker owns.")
+    sandbox_oversubscription: float = knob(
+        1.3, "Trajectories in flight per sandbox of the pool (the seed's ~1.3: a trajectory "
+        "spends part of its life generating, not in its sandbox); admission stops at "
+        "num_sandbox_workers x sandboxes_per_worker x this, so no trajectory's own time "
+        "budget is spent queueing for a sandbox.")
     num_warm_sandboxes: int = knob(8, "Pre-created generic sandboxes kept ready per worker.")
     exec_timeout_s: float = knob(30.0, "Default wall-clock limit of one sandboxed command.")
     memory_limit_mb: int = knob(1024, "Memory limit of one sandbox.")

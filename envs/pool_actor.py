@@ -21,6 +21,11 @@ class SandboxPoolActor:
         self.pool = build_sandbox_pool(envs, name=name)
 
     async def start(self) -> None:
+        """Reap what dead runs left on this node (the driver reaps only its own machine),
+        then warm the pool."""
+        from envs.reaper import reap_stale_state
+
+        await asyncio.to_thread(reap_stale_state)
         await self.pool.start()
 
     async def acquire(self, spec: SandboxSpec) -> SandboxLease:

@@ -219,6 +219,8 @@ class Turn:
     tool_s: float = 0.0
     queue_s: float = 0.0  # time waiting at the turn gate or for a sandbox
     num_tool_timeouts: int = 0  # calls cut by agent.tool_timeout_s
+    engine: str = ""  # the engine that generated it
+    started_at: float = 0.0  # unix time the turn reached the turn gate (timelines)
     # What the tool parser made of this turn's output (rollout.tool_parser.ParseStatus):
     # ok, no_call, malformed_call, malformed_arguments, unknown_tool, unclosed_block, too_many.
     tool_parse_status: str = "no_call"

@@ -29,6 +29,9 @@ class JudgeConfig:
 @dataclass(frozen=True, slots=True)
 class RewardConfig:
     fn: str = knob("reward.rules:ExactMatch", "RewardFn as an import string 'package.module:Class'.")
+    fn_scope: Literal["default", "all"] = knob(
+        "default", "default: reward.fn scores the tasks that name no reward_fn of their own (a "
+        "task row's reward_fn wins); all: reward.fn scores every task, whatever its rows say.")
     max_concurrency: int = knob(64, "Rewards computed at once per agent-loop worker (each "
                                 "worker scores the groups it produced, on its own node).")
     timeout_s: float = knob(300.0, "Limit of one reward computation; a timeout scores as failure.")

@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 class RewardLoop:
     def __init__(self, default_fn: str, decode: Callable[[list[int]], str], *, timeout_s: float,
                  max_concurrency: int, judge: JudgeClient | None = None,
-                 create_sandbox: SandboxFactory | None = None) -> None:
+                 create_sandbox: SandboxFactory | None = None, scope: str = "default") -> None:
         self.default_fn = default_fn
+        self.scope = scope  # reward.fn_scope: "all" ignores the tasks' own reward_fn
         self.judge = judge  # the judge model client, handed to every RewardFn in its context
         self.create_sandbox = create_sandbox  # grading sandboxes (envs.sandbox_backend)
         self.decode = decode
@@ -38,9 +39,14 @@ class RewardLoop:
         self.num_timeouts = 0
         self.num_errors = 0
 
+    def fn_name(self, task: Task) -> str:
+        """The task's own reward function if it names one (unless reward.fn_scope=all),
+        else the recipe's."""
+        return self.default_fn if self.scope == "all" else reward_fn_name(task, self.default_fn)
+
     def fn_for(self, task: Task) -> RewardFn:
-        """The task's own reward function if it names one, else the recipe's; resolved once."""
-        name = reward_fn_name(task, self.default_fn)
+        """The RewardFn that scores `task`; resolved once per name."""
+        name = self.fn_name(task)
         if name not in self._fns:
             self._fns[name] = load_reward_fn(name)
         return self._fns[name]
@@ -69,7 +75,7 @@ class RewardLoop:
             self.num_errors += 1
             log.warning("reward of %s/%s failed: %s: %s", trajectory.group_id, trajectory.index,
                         type(exc).__name__, exc)
-            detail = f"reward {reward_fn_name(task, self.default_fn)} raised {type(exc).__name__}: {exc}"
+            detail = f"reward {self.fn_name(task)} raised {type(exc).__name__}: {exc}"
             if trajectory.termination_detail:
                 detail = f"{trajectory.termination_detail}\n{detail}"
             return dataclasses.replace(trajectory, reward=0.0, reward_components={"reward_error": 1.0},

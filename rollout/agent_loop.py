@@ -11,9 +11,10 @@ their own loops and name them by import string `package.module:Class` in a recip
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -82,11 +83,21 @@ class AgentContext:
     gate: TurnGate
     recorder: TrajectoryRecorder | None = None
     continuity_divergence: str | None = None  # set by the debug continuity check
+    activity: ToolActivity = field(default_factory=lambda: ToolActivity())  # the worker's
     _num_requests: int = field(default=0)
 
     @property
     def session_id(self) -> str:
         return f"{self.group_id}/{self.index}"
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids a turn of this chat family ends with (some families have several)."""
+        return tuple(getattr(self.chat, "stop_token_ids", None) or (self.chat.end_of_turn_id,))
+
+    def ended_with_stop(self, out: TokenOutput) -> bool:
+        """Whether the generation ended on one of the family's stop tokens (not by length)."""
+        return len(out.token_ids) > 0 and int(out.token_ids[-1]) in self.stop_token_ids
 
     @property
     def tools(self) -> Mapping[str, Tool]:
@@ -112,20 +123,22 @@ class AgentContext:
         s = self.settings
         sampling = Sampling(max_new_tokens=min(room, max_new_tokens or room),
                             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                            stop_token_ids=(self.chat.end_of_turn_id,))
+                            stop_token_ids=self.stop_token_ids)
+        started_at = time.time()
         async with self.gate.turn() as queue_s:
             start = time.monotonic()
             self._num_requests += 1
             routed = await self.router.generate(self.session_id,
                                                 f"{self.session_id}#{self._num_requests}",
                                                 rec.context_ids, sampling)
-        rec.add_generation(routed.output, queue_s, time.monotonic() - start)
+        rec.add_generation(routed.output, queue_s, time.monotonic() - start, routed.engine,
+                           started_at)
         return routed.output
 
     def text_of(self, out: TokenOutput) -> str:
         """The generated text, without the stop token the engine stopped on."""
         ids = out.token_ids.tolist()
-        if ids and ids[-1] in (getattr(self.chat, "stop_token_ids", None) or (self.chat.end_of_turn_id,)):
+        if ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -179,7 +192,8 @@ class AgentContext:
             return Message("tool", f"Error: {problem}", name=call.name), True, False
         timeout_s = self.settings.tool_timeout_s
         try:
-            result = await asyncio.wait_for(tool.execute(call.arguments), timeout_s)
+            with self.activity.running(call.name):
+                result = await asyncio.wait_for(_execute(tool, call.arguments), timeout_s)
         except TimeoutError:
             return Message("tool", f"Timeout: {call.name} did not finish within {timeout_s:g} s.",
                            name=call.name), True, False
@@ -187,6 +201,39 @@ class AgentContext:
             return Message("tool", f"Error: {call.name} failed: {type(exc).__name__}: {exc}",
                            name=call.name), True, False
         return Message("tool", result.text, name=call.name), result.is_error, result.ends_trajectory
+
+
+async def _execute(tool: Tool, arguments: Mapping[str, Any]) -> Any:
+    """A tool that declares `blocking = True` runs on a thread with its own event loop, so
+    its blocking work neither stalls the worker's other trajectories nor escapes the
+    tool timeout; any other tool runs on the worker's loop (see envs.tools.base)."""
+    if getattr(tool, "blocking", False):
+        return await asyncio.to_thread(asyncio.run, tool.execute(arguments))
+    return await tool.execute(arguments)
+
+
+class ToolActivity:
+    """Which tools executed on a worker's event loop when, so a stall of the loop (a tool
+    doing blocking work in `execute`) can be blamed on them."""
+
+    def __init__(self) -> None:
+        self.executing: dict[str, int] = {}
+        self.finished_at: dict[str, float] = {}  # tool -> monotonic time its last call ended
+
+    @contextlib.contextmanager
+    def running(self, name: str) -> Iterator[None]:
+        self.executing[name] = self.executing.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self.executing[name] -= 1
+            if not self.executing[name]:
+                del self.executing[name]
+            self.finished_at[name] = time.monotonic()
+
+    def active_since(self, start: float) -> list[str]:
+        """Tools executing now or whose last call ended after `start`."""
+        return sorted(set(self.executing) | {n for n, t in self.finished_at.items() if t >= start})
 
 
 @runtime_checkable
@@ -210,8 +257,9 @@ class SingleTurnLoop:
 
 
 class ToolAgentLoop:
-    """Generate -> parse Hermes tool calls -> run tools -> append observations, until the
-    model answers without a tool call, a tool ends the trajectory, or a budget runs out.
+    """Generate -> parse tool calls (the family's vLLM parser) -> run tools -> append
+    observations, until the model answers without a tool call, a tool ends the trajectory,
+    or a budget runs out.
 
     A turn that ends by length without a tool call ends the trajectory with max_tokens:
     the model ran out of budget mid-answer (or never emitted its stop token).
@@ -251,8 +299,7 @@ class ToolAgentLoop:
                 reason = TerminationReason.MAX_TOKENS if out.finish_reason == "length" else TerminationReason.FINISHED
                 return rec.finish(reason)
             outcome = await self.run_tools(parsed, ctx)
-            ended_with_eos = len(out.token_ids) > 0 and int(out.token_ids[-1]) == ctx.chat.end_of_turn_id
-            obs = ctx.chat.observation_ids(outcome.messages, ended_with_eos)
+            obs = ctx.chat.observation_ids(outcome.messages, ctx.ended_with_stop(out))
             if (stop := rec.fits_observation(len(obs))) is not None:
                 return rec.finish(stop, "the tool observation does not fit")
             rec.add_observation(obs, outcome.num_calls, outcome.num_errors, outcome.seconds,

@@ -32,6 +32,12 @@ class RolloutConfig:
     cpus_per_agent_worker: float = knob(0.5, "Ray CPUs reserved per AgentLoopWorker.")
     num_router_sessions: int = knob(100_000, "Sticky-routing sessions kept (LRU) before the "
                                     "oldest is forgotten.")
+    load_poll_s: float = knob(0.5, "How often each router reads the engines' own load "
+                              "(running + waiting requests) to place new trajectories; 0: "
+                              "only the router's own requests count.")
+    max_engine_imbalance: int = knob(64, "A sticky session moves off its engine when that "
+                                     "engine runs this many requests more than the least "
+                                     "loaded one (its prefix cache is lost).")
     request_timeout_s: float = knob(600.0, "An engine that does not answer one generate call "
                                     "within this is treated as dead.")
 

@@ -78,7 +78,8 @@ class TrajectoryRecorder:
         self._versions.append(versions if versions is not None else np.full(n, NO_VERSION, np.int32))
         self._context = np.concatenate([self._context, self._ids[-1]])
 
-    def add_generation(self, out: TokenOutput, queue_s: float, generate_s: float) -> None:
+    def add_generation(self, out: TokenOutput, queue_s: float, generate_s: float,
+                       engine: str = "", started_at: float = 0.0) -> None:
         self.sent_prefix_lengths.append(len(self._context))
         start = self.num_response_tokens
         self._append(out.token_ids, 1, out.logprobs, out.versions)
@@ -89,7 +90,8 @@ class TrajectoryRecorder:
                                response_start=start, num_generated=len(out.token_ids),
                                num_observation=0, finish_reason=out.finish_reason,
                                version=version, cached_prompt_tokens=out.cached_prompt_tokens,
-                               generate_s=generate_s, queue_s=queue_s))
+                               generate_s=generate_s, queue_s=queue_s, engine=engine,
+                               started_at=started_at))
 
     def record_tool_parse(self, status: str) -> None:
         """What the tool parser made of the last generation (a ParseStatus), for the

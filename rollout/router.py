@@ -1,8 +1,12 @@
 """Sticky, load-aware routing of generate calls over the rollout engines.
 
-A trajectory's first turn goes to the engine with the fewest requests in flight (from
-this router); later turns stick to the same engine so its prefix cache holds the shared
-context. Sessions are kept in a bounded LRU and released when the trajectory ends. An
+A trajectory's first turn goes to the least-loaded engine; later turns stick to the same
+engine so its prefix cache holds the shared context. Load is what the engines report
+themselves (running + waiting requests, polled every `load_poll_s` and shared by every
+router, so one agent-loop worker sees the load the other workers put there), plus what
+this router sent since the last poll, and never less than this router's own requests in
+flight. A session whose engine runs `max_imbalance` requests more than the least-loaded
+one moves (its prefix cache is lost, counted as a rebalance): stickiness is bounded. Sessions are kept in a bounded LRU and released when the trajectory ends. An
 engine that fails or does not answer in time is removed and its trajectories continue on
 another engine (their prefix cache is lost, which is counted); nothing is dropped
 silently. Control calls (pause, resume, weight updates) fan out to all engines at once.
@@ -73,12 +77,14 @@ class RouterStats:
     num_reroutes: int  # session moves after an engine failure
     num_evicted_sessions: int  # sessions forgotten by the LRU bound
     failed_engines: tuple[str, ...]
+    num_rebalanced: int = 0  # sessions moved off an engine over the imbalance bound
 
 
 class Router:
     def __init__(self, engines: dict[str, EngineClient], max_sessions: int = 100_000,
                  request_timeout_s: float | None = None,
-                 is_failure: Callable[[BaseException], bool] = is_engine_failure) -> None:
+                 is_failure: Callable[[BaseException], bool] = is_engine_failure,
+                 load_poll_s: float = 0.0, max_imbalance: int | None = None) -> None:
         if not engines:
             raise ValueError("the router needs at least one engine (rollout.num_engines >= 1)")
         self._engines = dict(engines)
@@ -90,40 +96,76 @@ class Router:
         self._failed: list[str] = []
         self._num_reroutes = 0
         self._num_evicted = 0
+        self._num_rebalanced = 0
+        self._load_poll_s = load_poll_s  # 0: route on this router's own counts only
+        self._max_imbalance = max_imbalance
+        self._reported: dict[str, int] = {}  # engine -> running + waiting at the last poll
+        self._sent_since_poll = {name: 0 for name in engines}
+        self._poller: asyncio.Task | None = None
+        self._rng = np.random.default_rng(id(self) % (1 << 32))
+
+    @property
+    def engines(self) -> dict[str, EngineClient]:
+        """The live engines by name."""
+        return dict(self._engines)
 
     @property
     def engine_names(self) -> tuple[str, ...]:
         return tuple(self._engines)
 
+    def load(self, name: str) -> int:
+        """The engine's requests as best known: its own report plus what was sent since,
+        never less than this router's requests in flight there."""
+        return max(self._in_flight[name], self._reported.get(name, 0) + self._sent_since_poll[name])
+
     def _pick(self, session_id: str) -> tuple[str, bool]:
         """(engine, moved): the session's engine, or the least-loaded one for a new
-        session or one whose engine failed (moved=True: its prefix cache is lost)."""
+        session, one whose engine failed or one over the imbalance bound (moved=True:
+        its prefix cache is lost)."""
         name = self._sessions.get(session_id)
-        if name is not None and name in self._engines:
-            self._sessions.move_to_end(session_id)
-            return name, False
         if not self._engines:
             raise NoEngineError(f"all engines failed: {', '.join(self._failed)}")
+        if name is not None and name in self._engines:
+            if self._max_imbalance is None or self.load(name) - min(
+                    self.load(n) for n in self._engines) <= self._max_imbalance:
+                self._sessions.move_to_end(session_id)
+                return name, False
+            self._num_rebalanced += 1
+        failed_over = name is not None and name not in self._engines
         moved = name is not None
-        name = min(self._engines, key=lambda n: self._in_flight[n])
+        name = self._least_loaded()
         self._sessions[session_id] = name
         self._sessions.move_to_end(session_id)
         if len(self._sessions) > self._max_sessions:
             self._sessions.popitem(last=False)
             self._num_evicted += 1
-        if moved:
+        if failed_over:
             self._num_reroutes += 1
         return name, moved
+
+    def _least_loaded(self) -> str:
+        """With the engines' shared load: the less loaded of two engines drawn at random
+        (every router reads the same stale report between polls; taking the global
+        minimum would send them all to one engine at once). Without it: the minimum of
+        this router's own counts."""
+        names = list(self._engines)
+        if not self._reported or len(names) < 3:
+            return min(names, key=self.load)
+        i, j = self._rng.choice(len(names), size=2, replace=False)
+        return min((names[i], names[j]), key=lambda n: (self.load(n), self._in_flight[n]))
 
     async def generate(self, session_id: str, request_id: str, prompt_ids: np.ndarray | list[int],
                        sampling: Sampling) -> RoutedOutput:
         """Generate on the session's engine; on engine failure retry on another engine."""
+        if self._load_poll_s > 0 and self._poller is None:
+            self._poller = asyncio.create_task(self._poll_load())
         rerouted = False
         attempt = 0
         while True:
             name, moved = self._pick(session_id)
             rerouted = rerouted or moved
             self._in_flight[name] += 1
+            self._sent_since_poll[name] += 1
             try:
                 call = self._engines[name].generate(f"{request_id}.{attempt}", prompt_ids, sampling)
                 out = await (asyncio.wait_for(call, self._timeout_s) if self._timeout_s else call)
@@ -135,6 +177,26 @@ class Router:
                 attempt += 1
             finally:
                 self._in_flight[name] -= 1
+
+    async def refresh_load(self) -> None:
+        """Take the engines' own load (running + waiting requests) as the new baseline."""
+        stats = await self.engine_stats()
+        for name, s in stats.items():
+            self._reported[name] = s.num_running + s.num_waiting
+            self._sent_since_poll[name] = 0
+
+    async def _poll_load(self) -> None:
+        while self._engines:
+            try:
+                await self.refresh_load()
+            except Exception as exc:  # a failed poll leaves the last view in place
+                log.debug("engine load poll failed: %s", exc)
+            await asyncio.sleep(self._load_poll_s)
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
 
     def _remove(self, name: str, exc: BaseException) -> None:
         """Stop routing to a failed engine; its sessions move on their next call."""
@@ -200,4 +262,5 @@ class Router:
     def stats(self) -> RouterStats:
         names = tuple(self._engines)
         return RouterStats(names, tuple(self._in_flight[n] for n in names), len(self._sessions),
-                           self._num_reroutes, self._num_evicted, tuple(self._failed))
+                           self._num_reroutes, self._num_evicted, tuple(self._failed),
+                           self._num_rebalanced)

@@ -29,7 +29,7 @@ from envs.tools.base import ToolClass
 from envs.trajectory_env import EnvBuilder, load_tool_classes
 from envs.types import Group, Task, TerminationReason, Trajectory
 from reward.loop import RewardLoop
-from rollout.agent_loop import AgentContext, LoopSettings, load_agent_loop
+from rollout.agent_loop import AgentContext, LoopSettings, ToolActivity, load_agent_loop
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
 from rollout.router import Router
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from rollout.config import RolloutRecipe
 
 log = logging.getLogger(__name__)
+
+STALL_PROBE_S = 0.25  # the watchdog's tick
+STALL_S = 1.0  # a tick this late, with a tool executing, means the tool blocked the loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,7 @@ class WorkerStats:
     num_reward_errors: int = 0  # trajectories whose reward function raised
     num_reward_timeouts: int = 0
     env_open_s: float = 0.0  # total time spent opening environments (sandbox waits)
+    num_loop_stalls: int = 0  # times the event loop was blocked > STALL_S (a blocking tool)
 
 
 class AgentLoopWorker:
@@ -73,6 +77,29 @@ class AgentLoopWorker:
         self._num_tool_errors = 0
         self._num_divergences = 0
         self._env_open_s = 0.0
+        self.activity = ToolActivity()
+        self._num_stalls = 0
+        self._watchdog: asyncio.Task | None = None
+
+    async def _watch_loop(self) -> None:
+        """Notice when a tool blocks the event loop (every trajectory of this worker stalls
+        meanwhile, and no timeout can fire): count it and name the tools, with the fix.
+        Stalls with no tool executing (imports, a loaded machine) are not blamed on one."""
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(STALL_PROBE_S)
+            lag = time.monotonic() - start - STALL_PROBE_S
+            if lag <= STALL_S:
+                continue
+            tools = self.activity.active_since(start)
+            if not tools:
+                log.debug("the event loop was late by %.1f s with no tool executing", lag)
+                continue
+            self._num_stalls += 1
+            log.warning("the event loop was blocked for %.1f s while %s executed; every "
+                        "trajectory of this worker waited. Do blocking work in a tool with "
+                        "`await asyncio.to_thread(...)`, or set `blocking = True` on the tool "
+                        "class", lag, ", ".join(tools))
 
     def loop_for(self, task: Task) -> Any:
         """The task's own loop class if it names one, else the recipe's; resolved once."""
@@ -89,6 +116,8 @@ class AgentLoopWorker:
 
     async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
         """G scored trajectories of `task`."""
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch_loop())
         self.check_task(task)
         trajectories = await asyncio.gather(
             *(self.run_trajectory(task, group_id, i) for i in range(group_size)))
@@ -99,7 +128,7 @@ class AgentLoopWorker:
         env = self.envs.build(task)
         ctx = AgentContext(task=task, group_id=group_id, index=index, settings=self.settings,
                            chat=self.chat, tokenizer=self.tokenizer, env=env,
-                           router=self.router, gate=self.gate)
+                           router=self.router, gate=self.gate, activity=self.activity)
         self._num_running += 1
         try:
             start = time.monotonic()
@@ -147,7 +176,8 @@ class AgentLoopWorker:
     def stats(self) -> WorkerStats:
         return WorkerStats(self._num_running, sum(self._end_reasons.values()),
                            dict(self._end_reasons), self._num_tool_errors, self._num_divergences,
-                           self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s)
+                           self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s,
+                           self._num_stalls)
 
 
 def _check_result(trajectory: object, ctx: AgentContext) -> None:
@@ -174,15 +204,20 @@ def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[s
     from rollout.chat import build_continuity_builder
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking)
+    chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
+                                    tool_parser=cfg.agent.tool_parser,
+                                    reasoning_parser=cfg.agent.reasoning_parser)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     envs = EnvBuilder(tool_classes if tool_classes is not None else load_tool_classes(cfg.envs.tools),
                       sandbox_provider, build_sandbox_tool_settings(cfg.envs, count_tokens=count))
     rewards = RewardLoop(cfg.reward.fn, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency,
-                         judge=judge, create_sandbox=load_sandbox_factory(cfg.envs.sandbox_backend))
+                         judge=judge, create_sandbox=load_sandbox_factory(cfg.envs.sandbox_backend),
+                         scope=cfg.reward.fn_scope)
     router = Router(dict(engines), max_sessions=cfg.rollout.num_router_sessions,
-                    request_timeout_s=cfg.rollout.request_timeout_s)
+                    request_timeout_s=cfg.rollout.request_timeout_s,
+                    load_poll_s=cfg.rollout.load_poll_s,
+                    max_imbalance=cfg.rollout.max_engine_imbalance)
     return AgentLoopWorker(default_loop=cfg.agent.loop, settings=LoopSettings.from_config(cfg),
                            chat=chat, tokenizer=tokenizer, router=router, envs=envs,
                            rewards=rewards, trajectory_timeout_s=cfg.agent.trajectory_timeout_s)

@@ -147,6 +147,9 @@ class LoggingConfig:
         "offline", "offline never touches the network; sync later with `wandb sync`.")
     console: bool = knob(True, "Live console progress display.")
     num_transcripts_per_step: int = knob(2, "Trajectories per step written as readable transcripts.")
+    max_turn_events_per_step: int = knob(20_000, "Turn events per step written to events.jsonl "
+                                         "(the run report's timeline; ~250 bytes each); "
+                                         "0: no events file.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +236,7 @@ def check_config(cfg: SluiceConfig) -> None:
              f"must be a multiple of envs.num_sandbox_workers ({cfg.envs.num_sandbox_workers}): "
              "each sandbox node hosts the same number of agent-loop workers, which run their "
              "trajectories in its sandboxes and grade them there")
+    _require(cfg.envs.sandbox_oversubscription > 0, "envs.sandbox_oversubscription", "must be > 0")
     _require(cfg.envs.num_warm_sandboxes <= cfg.envs.sandboxes_per_worker,
              "envs.num_warm_sandboxes", "cannot exceed envs.sandboxes_per_worker")
     _require(cfg.envs.max_workspace_changes_mb >= 1, "envs.max_workspace_changes_mb",

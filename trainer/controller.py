@@ -14,7 +14,8 @@ or weights.
                                                                        push + verify, open gates
 
 Back-pressure: admission stops while (eta + 1) * B groups are alive, so rollout never
-produces groups that would only be evicted; the trainer waits (idle) when the buffer holds
+produces groups that would only be evicted, and while the groups running would hold more
+trajectories than the sandbox pool has sandboxes x envs.sandbox_oversubscription; the trainer waits (idle) when the buffer holds
 fewer than `train.groups_per_step` groups. `train.mode=sync` is the same machinery with
 eta = 0. A failure that repeats group after group trips the breaker (buffer.breaker) and
 ends the run with that error.
@@ -47,8 +48,8 @@ from buffer.replay_buffer import BufferState, ReplayBuffer
 from envs.types import Group, Task, TerminationReason
 from trainer.advantages import compute_batch_advantages
 from trainer.config import SluiceConfig
-from trainer.metrics import (BusyClock, MetricsLogger, TranscriptSink, compute_batch_metrics,
-                             compute_loop_metrics)
+from trainer.metrics import (BusyClock, EventSink, MetricsLogger, TranscriptSink,
+                             compute_batch_metrics, compute_loop_metrics, turn_events)
 from trainer.seams import RolloutSide, TrainerSide
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,8 @@ class RunSummary:
 class Controller:
     def __init__(self, cfg: SluiceConfig, *, tasks: Sequence[Task], rollout: RolloutSide,
                  trainer: TrainerSide, logger: MetricsLogger,
-                 transcripts: TranscriptSink | None = None, eval_tasks: Sequence[Task] = (),
-                 env_metrics: EnvMetrics | None = None) -> None:
+                 transcripts: TranscriptSink | None = None, events: EventSink | None = None,
+                 eval_tasks: Sequence[Task] = (), env_metrics: EnvMetrics | None = None) -> None:
         if not tasks:
             raise ValueError("no tasks to train on; check envs.tasks")
         self.cfg = cfg
@@ -105,6 +106,7 @@ class Controller:
         self.trainer = trainer
         self.logger = logger
         self.transcripts = transcripts
+        self.events = events
         self.eval_tasks = list(eval_tasks)
         self.env_metrics = env_metrics
         self.eval_rewards: dict[int, float] = {}
@@ -114,6 +116,10 @@ class Controller:
                                    failure_policy=b.failure_policy, max_resubmits=b.max_resubmits,
                                    filter_zero_variance=b.filter_zero_variance)
         self.breaker = FailureBreaker(b.max_repeated_failures)
+        e = cfg.envs  # the third ratio: trajectories in flight per sandbox
+        sandboxes = e.num_sandbox_workers * e.sandboxes_per_worker
+        self.max_running_groups = max(1, int(sandboxes * e.sandbox_oversubscription)
+                                      // cfg.train.group_size)
         self.version = 0
         self.cursor = 0
         self._pending: list[Task] = []  # in flight at the checkpoint: admitted first
@@ -128,6 +134,7 @@ class Controller:
         self._group_ids = itertools.count()
         self._end_reasons: Counter[str] = Counter()
         self._cache_counters = (0, 0)  # prefix-cache queries, hits at the last step
+        self._push_event: dict[str, float] = {}
 
     # --- checkpointed state ------------------------------------------------------------
     def state(self) -> ControllerState:
@@ -165,7 +172,8 @@ class Controller:
     # --- admission loop ----------------------------------------------------------------
     async def _admission_loop(self) -> None:
         while not self._stopping:
-            while not self._stopping and self.buffer.try_admit():
+            while (not self._stopping and self.buffer.num_running < self.max_running_groups
+                   and self.buffer.try_admit()):
                 task = next(self._task_stream)
                 job = asyncio.create_task(self._run_group(task, f"g{next(self._group_ids)}"))
                 self._running.add(job)
@@ -229,14 +237,21 @@ class Controller:
         return {"timing/train_s": time.monotonic() - start, **outcome.metrics}
 
     async def _push(self) -> dict[str, float]:
-        """Weights to engines at a turn boundary: drain turns, push + verify, reopen."""
-        start = time.monotonic()
+        """Weights to engines at a turn boundary: prepare them while turns go on, then
+        drain turns, send + verify, reopen. Only the send holds the gates closed."""
+        start, wall = time.monotonic(), time.time()
+        await self.trainer.prepare_weights(self.version + 1)
+        prepared = time.monotonic()
         await self.rollout.close_gates()
         try:
             await self.trainer.push_weights(self.version + 1)
         finally:
             await self.rollout.open_gates()
-        return {"perf/weight_sync_s": time.monotonic() - start}
+        end = time.monotonic()
+        self._push_event = {"kind": "push", "version": self.version + 1, "t0": round(wall, 4),
+                            "prepare_s": round(prepared - start, 4),
+                            "gates_closed_s": round(end - prepared, 4)}
+        return {"perf/weight_sync_s": end - start, "perf/weight_gates_closed_s": end - prepared}
 
     async def _poll_rollout_idle(self) -> None:
         """Sample whether engines have requests in flight (paused counts as idle)."""
@@ -260,7 +275,7 @@ class Controller:
             if self.eval_tasks and self.version not in self.eval_rewards:
                 self.logger.log(self.version, await self._evaluate())  # weights before any step
             while self.version < self.cfg.train.num_steps and not self._stopping:
-                step_start = time.monotonic()
+                step_start, step_wall = time.monotonic(), time.time()
                 groups = await self._take_batch()
                 if groups is None:
                     break
@@ -281,6 +296,8 @@ class Controller:
                 self.logger.log(self.version, metrics)
                 if self.transcripts is not None:
                     self.transcripts.write(self.version, groups)
+                if self.events is not None:
+                    self._write_events(groups, step_wall, metrics)
                 if on_step is not None:
                     await on_step(self.version)
         finally:
@@ -292,6 +309,15 @@ class Controller:
         if self.breaker.tripped is not None:
             raise RepeatedFailureError(self.breaker.tripped)
         return self.summary(tuple(rewards), time.monotonic() - start)
+
+    def _write_events(self, groups: list[Group], step_wall: float, metrics: dict[str, float]) -> None:
+        assert self.events is not None
+        turns, dropped = turn_events(self.version, groups, self.events.max_turns_per_step)
+        step = {"kind": "step", "step": self.version, "t0": round(step_wall, 4),
+                "t1": round(time.time(), 4), "turns_dropped": dropped,
+                "trainer_wait_s": round(metrics.get("perf/trainer_idle_ratio", 0.0)
+                                        * metrics.get("timing/step_s", 0.0), 4)}
+        self.events.write([*turns, {**self._push_event, "step": self.version}, step])
 
     def summary(self, rewards: tuple[float, ...] = (), seconds: float = 0.0) -> RunSummary:
         stats = self.buffer.stats()

@@ -91,9 +91,20 @@ def main(argv: list[str] | None = None) -> int:
 
     import asyncio
 
+    from trainer.controller import RepeatedFailureError
     from trainer.system import run  # Ray, vLLM, DeepSpeed from here on
 
-    summary, run_dir = asyncio.run(run(cfg, Path(recipe or "run").stem))
+    try:
+        summary, run_dir = asyncio.run(run(cfg, Path(recipe or "run").stem))
+    except RepeatedFailureError as exc:
+        print(f"\n{exc}", file=sys.stderr)
+        return 3
+    except ValueError as exc:  # found while starting (a task file, a model folder)
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("\nstopped before the run started; nothing to resume", file=sys.stderr)
+        return 130
     first, last = _mean_head_tail(summary.rewards_per_step)
     print(f"\ndone: {summary.steps} steps in {summary.seconds:.0f}s; mean reward first steps "
           f"{first:.3f}, last steps {last:.3f}; groups admitted {summary.admitted}, trained "

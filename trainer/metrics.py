@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from envs.types import Group, Trajectory
+from rollout.tool_parser import tool_parse_counts
 
 if TYPE_CHECKING:
     from buffer.replay_buffer import BufferStats
@@ -81,9 +82,10 @@ class WandbSink:
     def __init__(self, project: str, run_name: str, run_dir: Path, mode: str,
                  config: Mapping[str, Any]) -> None:
         import wandb
+        from wandb.sdk.lib.runid import generate_id
 
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else generate_id()
         id_file.write_text(run_id)
         self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode,
                                config=dict(config), id=run_id, resume="allow",
@@ -154,6 +156,52 @@ class TranscriptSink:
                 f.write(json.dumps(row) + "\n")
 
 
+class EventSink:
+    """Per-turn timeline events beside metrics.jsonl (events.jsonl, append-only, one JSON
+    object per line), for the run report (launch.report). Kinds:
+
+        {"kind": "turn", "step", "traj": "g3/1", "task", "turn", "engine", "version",
+         "t0" (unix s at the turn gate), "queue_s", "generate_s", "tool_s", "tool_calls",
+         "tool_errors", "tokens", "end" (the trajectory's termination, on its last turn)}
+        {"kind": "push", "step", "version", "t0", "prepare_s", "gates_closed_s"}
+        {"kind": "step", "step", "t0", "t1", "trainer_wait_s"}
+
+    At most `max_turns_per_step` turn events per step (the trained groups' turns, in
+    order; the rest are counted in the step event as `turns_dropped`), so the file grows
+    by at most about 250 bytes x that per step."""
+
+    def __init__(self, path: Path, max_turns_per_step: int) -> None:
+        self.path = path
+        self.max_turns_per_step = max_turns_per_step
+
+    def write(self, events: Sequence[Mapping[str, Any]]) -> None:
+        if self.max_turns_per_step <= 0 or not events:
+            return
+        with self.path.open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in events)
+
+
+def turn_events(step: int, groups: Sequence[Group], limit: int) -> tuple[list[dict[str, Any]], int]:
+    """The turn events of a step's groups (at most `limit`) and how many were left out."""
+    events: list[dict[str, Any]] = []
+    total = 0
+    for t in (t for g in groups for t in g.trajectories):
+        for u in t.turns:
+            total += 1
+            if len(events) >= limit:
+                continue
+            event = {"kind": "turn", "step": step, "traj": f"{t.group_id}/{t.index}",
+                     "task": t.task_id, "turn": u.index, "engine": u.engine, "version": u.version,
+                     "t0": round(u.started_at, 4), "queue_s": round(u.queue_s, 4),
+                     "generate_s": round(u.generate_s, 4), "tool_s": round(u.tool_s, 4),
+                     "tool_calls": u.num_tool_calls, "tool_errors": u.num_tool_errors,
+                     "tokens": u.num_generated}
+            if u.index == len(t.turns) - 1:
+                event["end"] = t.termination.value
+            events.append(event)
+    return events, total - len(events)
+
+
 def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, float]:
     """reward/*, staleness/*, rollout/*, end/* of the groups one step trains on."""
     trajs = [t for g in groups for t in g.trajectories]
@@ -169,6 +217,7 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
            "rollout/tool_errors": float(sum(u.num_tool_errors for u in turns)),
            "rollout/tool_timeouts": float(sum(u.num_tool_timeouts for u in turns))}
     out.update({f"end/{r}": float(n) for r, n in Counter(t.termination.value for t in trajs).items()})
+    out.update(tool_parse_counts(trajs))
     for name in sorted({k for t in trajs for k in t.reward_components}):
         values = [t.reward_components.get(name, 0.0) for t in trajs]
         # Findings and failures are counts (how many trajectories); scores are means.
@@ -201,7 +250,8 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
            # cumulative; counted only with agent.continuity_check (a debug setting)
            "rollout/continuity_divergences": float(sum(w.num_continuity_divergences for w in workers)),
            "reward/errors_total": float(sum(w.num_reward_errors for w in workers)),
-           "env/open_s_total": float(sum(w.env_open_s for w in workers))}
+           "env/open_s_total": float(sum(w.env_open_s for w in workers)),
+           "rollout/event_loop_stalls": float(sum(w.num_loop_stalls for w in workers))}
     out.update({f"buffer/dropped_{k}": float(v) for k, v in buffer.dropped.items()})
     return out, (queries, hits)
 

@@ -126,21 +126,30 @@ def connect_cluster(cfg: SluiceConfig) -> None:
         _record_private_cluster(context.address_info["session_dir"])
         return
     _check_reachable(c.address)
+    try:
+        ray.init(address=c.address)
+        return
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = exc
     # Ray sends this user's auth token only to clusters it finds itself, never to an
-    # explicit address, while `ray start` turns token auth on by default; do what it does
-    # for found clusters (RAY_AUTH_MODE unset + a token exists). A cluster without auth
-    # ignores the token. (Private to Ray 2.60, which pyproject pins.)
+    # explicit address, while `ray start` turns token auth on by default: when the plain
+    # join is refused and a token exists, retry the way Ray does for found clusters. Not
+    # up front: a cluster started without auth (ray.cluster_utils, KubeRay defaults) then
+    # cannot start this job's workers. (Private to Ray 2.60, which pyproject pins.)
     from ray._private.authentication.authentication_token_setup import (
         maybe_enable_token_auth_if_token_available)
 
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    try:
-        ray.init(address=c.address)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ClusterConnectionError(
-            f"cluster.address={c.address!r}: cannot join a Ray cluster there ({exc}). Start "
-            "the head first (`ray start --head` on it), fix the address, or set "
-            "cluster.address=local for a private cluster on this machine") from None
+    if maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
+        ray.shutdown()
+        try:
+            ray.init(address=c.address)
+            return
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            first = exc
+    raise ClusterConnectionError(
+        f"cluster.address={c.address!r}: cannot join a Ray cluster there ({first}). Start "
+        "the head first (`ray start --head` on it), fix the address, or set "
+        "cluster.address=local for a private cluster on this machine") from None
 
 
 def _check_reachable(address: str) -> None:

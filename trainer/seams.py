@@ -49,13 +49,17 @@ class TrainerSide(Protocol):
 
     async def train(self, batch: TrainBatch) -> TrainOutcome: ...
 
+    async def prepare_weights(self, version: int) -> None:
+        """Get the current weights ready to send (gather, encode) while rollout goes on."""
+        ...
+
     async def push_weights(self, version: int) -> None:
-        """Make the engines serve `version` (the trainer's current weights), verified;
-        raises if any engine did not take them. Called with the turn gates closed."""
+        """Make the engines serve `version` (the weights prepared for it), verified; raises
+        if any engine did not take them. Called with the turn gates closed."""
         ...
 
-    def save(self, folder: Path) -> None:
-        """Blocking (the controller calls it from a thread): write the trainer's state."""
+    def save_state(self, folder: Path) -> None:
+        """Blocking (called from a thread): write the trainer's state (trainer.checkpoint)."""
         ...
 
-    def load(self, folder: Path) -> None: ...
+    def load_state(self, folder: Path) -> None: ...

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from trainer.config import SluiceConfig
 from trainer.controller import Controller, RunSummary
-from trainer.metrics import (ConsoleSink, JsonlSink, MetricsLogger, MetricsSink, TranscriptSink,
-                             WandbSink)
+from trainer.metrics import (ConsoleSink, EventSink, JsonlSink, MetricsLogger, MetricsSink,
+                             TranscriptSink, WandbSink)
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +136,15 @@ class StopSignals:
 
 async def run(cfg: SluiceConfig, recipe_name: str = "run",
               on_batch: Callable[[list, int], None] | None = None) -> tuple[RunSummary, Path]:
+    from envs.reaper import reap_stale_state
+
     main = asyncio.current_task()
     assert main is not None
     signals = StopSignals(main)
+    # What a SIGKILLed run left on this machine (mounts, sandbox folders, cgroups, Ray
+    # processes of dead drivers) goes before this run makes any of its own.
+    reaped = await asyncio.to_thread(reap_stale_state)
+    log.info("reaper: %s", reaped.summary())
     place = resolve_run_place(cfg, recipe_name)
     created = not place.run_dir.exists()
     try:
@@ -165,6 +171,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     from rollout.engine_actor import start_engines
     from rollout.judge_client import start_judge
     from rollout.router import Router
+    from rollout.template_check import check_template
     from rollout.worker_actor import RayRollout, start_agent_workers
     from trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from trainer.pools import build_pools, connect_cluster
@@ -177,6 +184,10 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     eval_tasks = load_tasks(cfg.eval.tasks)[:cfg.eval.num_tasks] if cfg.eval.tasks else []
     model_path = resolve_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # The chat family, its parsers and keep_thinking against the model's own template,
+    # before any engine starts: a mismatch would corrupt every trajectory's ids.
+    check_template(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
+                   tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser)
     try:
         connect_cluster(cfg)
         placed = build_pools(cfg)
@@ -190,8 +201,9 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
                                       sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
         router = Router(engines)
         group = TrainGroup(cfg, model_path, placed["train"])
-        trainer = RayTrainer(group, router, build_transport(cfg, sender=group),
-                             verify=cfg.sync.verify_checksum)
+        # cpu: rank 0 sends to the engines itself; nccl: the broadcast transport
+        transport = None if resolve_transport(cfg) == "cpu" else build_transport(cfg, sender=group)
+        trainer = RayTrainer(group, router, transport, verify=cfg.sync.verify_checksum)
         rollout = RayRollout(workers, router)
         pool_metrics = PoolMetrics()
 
@@ -203,6 +215,8 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
         (run_dir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
         controller = Controller(cfg, tasks=tasks, rollout=rollout, trainer=trainer,
                                 logger=MetricsLogger([]), eval_tasks=eval_tasks,
+                                events=EventSink(run_dir / "events.jsonl",
+                                                 cfg.logging.max_turn_events_per_step),
                                 env_metrics=env_metrics,
                                 transcripts=TranscriptSink(
                                     run_dir / "transcripts.jsonl",
@@ -211,6 +225,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
         if place.resume_from is not None:
             state = await asyncio.to_thread(load_checkpoint, place.resume_from, trainer)
             controller.restore(state.controller)
+            await trainer.prepare_weights(controller.version)
             await trainer.push_weights(controller.version)
             log.info("resumed %s at step %d", place.resume_from, controller.version)
         controller.logger = MetricsLogger(build_sinks(
@@ -227,7 +242,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
                 log.error("no checkpoint at step %d: %s", controller.version, exc)
                 return
             await asyncio.to_thread(save_checkpoint, checkpoints, trainer, state,
-                                    cfg.checkpoint.keep_last)
+                                    cfg.checkpoint.keep_last, model_path)
             saved.add(controller.version)
 
         async def on_step(step: int) -> None:

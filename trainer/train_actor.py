@@ -29,12 +29,20 @@ class TrainRankActor:
                  master_addr: str, master_port: int) -> None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from rollout.rope import build_rope_overrides, read_config_json
         from trainer.backends import build_backend
 
         self.cfg = cfg
+        self.rank = rank
+        self._prepared: tuple[int, bytes, tuple[list[str], str]] | None = None
+        # The same RoPE scaling the engines get (EngineSpec.hf_overrides), or the trainer's
+        # logprobs would come from another model than the one that sampled.
+        overrides = (build_rope_overrides(read_config_json(model_path), cfg.model.rope_scaling)
+                     if cfg.model.rope_scaling else None)
         self.backend = build_backend(cfg.train, model_path, dtype=cfg.model.dtype,
                                      device="cuda" if cfg.cluster.device == "cuda" else "cpu",
-                                     temperature=cfg.rollout.temperature)
+                                     temperature=cfg.rollout.temperature,
+                                     config_overrides=overrides)
         self.sender: Any = None  # rank 0's WeightSender once the weight group is opened
 
     def train_step(self, trajectories: list[Trajectory], advantages: np.ndarray) -> Any:
@@ -42,6 +50,31 @@ class TrainRankActor:
 
     def state_dict_for_push(self) -> dict:
         return self.backend.state_dict_for_push()
+
+    def prepare_push(self, version: int) -> int:
+        """Every rank: gather the weights (a collective under ZeRO-3). Rank 0 keeps them,
+        encoded, with their checksum, for `send_push`; it returns the bytes prepared. Runs
+        while rollout goes on: only the send needs the turn gates closed."""
+        from trainer.weight_sync import encode_state, expected_checksum
+
+        state = self.backend.state_dict_for_push()
+        if self.rank != 0:
+            return 0
+        self._prepared = (version, encode_state(state), expected_checksum(state))
+        return len(self._prepared[1])
+
+    def send_push(self, version: int, engine_handles: dict[str, Any], verify: bool) -> Any:
+        """Rank 0: send the prepared weights straight to every engine and verify them; the
+        driver only learns the outcome (a PushResult), never the weights."""
+        from rollout.engine_actor import RayEngineClient
+        from trainer.weight_sync import send_prepared
+
+        if self._prepared is None or self._prepared[0] != version:
+            raise RuntimeError(f"send_push({version}) without prepare_push({version})")
+        _, blob, expected = self._prepared
+        self._prepared = None
+        router = Router({n: RayEngineClient(h) for n, h in engine_handles.items()})
+        return asyncio.run(send_prepared(router, blob, expected, version, verify=verify))
 
     def version(self) -> int:
         return self.backend.version
@@ -138,7 +171,13 @@ class TrainGroup:
 
 class RayTrainer:
     """The controller's TrainerSide: trains on the train group and pushes its weights to
-    the engines behind `router` through `transport` (verified)."""
+    the engines behind `router`, verified.
+
+    CPU transport: the weights go from train rank 0 to the engines directly
+    (`prepare_weights` gathers and encodes them on the ranks while rollout goes on,
+    `push_weights` sends them with the gates closed); the driver never holds them. The
+    broadcast transport (`transport` given, NCCL) still plans its buckets from a copy of
+    the state on the driver."""
 
     def __init__(self, group: TrainGroup, router: Router, transport: WeightTransport | None,
                  verify: bool = True) -> None:
@@ -146,6 +185,11 @@ class RayTrainer:
         self.router = router
         self.transport = transport
         self.verify = verify
+        self.last_push: Any = None  # the PushResult of the last push
+
+    async def prepare_weights(self, version: int) -> None:
+        if self.transport is None:
+            await asyncio.gather(*(r.prepare_push.remote(version) for r in self.group.ranks))
 
     async def train(self, batch: TrainBatch) -> TrainOutcome:
         result = await self.group.train_step(batch)
@@ -153,12 +197,17 @@ class RayTrainer:
                              "loss/grad_norm": result.grad_norm})
 
     async def push_weights(self, version: int) -> None:
+        if self.transport is None:
+            handles = {n: e.handle for n, e in self.router.engines.items()}
+            self.last_push = await self.group.ranks[0].send_push.remote(version, handles,
+                                                                       self.verify)
+            return
         state = await self.group.state_dict_for_push()
-        await push_weights(self.router, state, version, verify=self.verify,
-                           transport=self.transport)
+        self.last_push = await push_weights(self.router, state, version, verify=self.verify,
+                                            transport=self.transport)
 
-    def save(self, folder: Path) -> None:
+    def save_state(self, folder: str | Path) -> None:
         self.group.save_state(folder)
 
-    def load(self, folder: Path) -> None:
+    def load_state(self, folder: str | Path) -> None:
         self.group.load_state(folder)

@@ -112,16 +112,40 @@ def checksum_names(state: Mapping[str, torch.Tensor]) -> list[str]:
     return names[::step][:MAX_CHECKSUM_TENSORS]
 
 
-async def verify_engines(router: Router, state: Mapping[str, torch.Tensor], version: int) -> None:
+def expected_checksum(state: Mapping[str, torch.Tensor]) -> tuple[list[str], str]:
+    """The tensors engines are asked to checksum after a push, and the digest they must give."""
     names = checksum_names(state)
-    expected = checksum_tensors(dict(state), names)
+    return names, checksum_tensors(dict(state), names)
+
+
+async def verify_engines(router: Router, state: Mapping[str, torch.Tensor], version: int) -> None:
+    await check_engines(router, expected_checksum(state), version)
+
+
+async def check_engines(router: Router, expected: tuple[list[str], str], version: int) -> None:
+    """WeightSyncError unless every engine serves `version` with the expected checksum."""
+    names, digest = expected
     digests = await router.checksum_all(names)
     stats = await router.engine_stats()
-    wrong = [n for n, d in digests.items() if d != expected]
+    wrong = [n for n, d in digests.items() if d != digest]
     stale = [n for n, s in stats.items() if s.version != version]
     if wrong or stale:
         raise WeightSyncError(f"after pushing version {version}: engines {wrong} serve other weights "
                               f"(checksum of {names}), engines {stale} report another version")
+
+
+async def send_prepared(router: Router, blob: bytes, expected: tuple[list[str], str], version: int,
+                        verify: bool = True) -> PushResult:
+    """Send weights encoded beforehand (`encode_state`) to every engine as `version` and
+    verify them against `expected` (`expected_checksum`): the push from train rank 0."""
+    start = time.monotonic()
+    await router.update_weights_all(version, blob=blob)
+    if verify:
+        await check_engines(router, expected, version)
+    result = PushResult(version, len(blob), time.monotonic() - start, 0.0, router.engine_names)
+    log.info("pushed version %d (%.1f MB) to %d engines in %.3fs", version, len(blob) / 2**20,
+             len(result.engines), result.seconds)
+    return result
 
 
 async def push_weights(router: Router, state: Mapping[str, torch.Tensor], version: int,

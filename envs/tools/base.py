@@ -10,9 +10,12 @@ trajectory's sandbox sets `needs_sandbox = True`; the environment then opens one
 for all its tools) before the first turn and reaches it as `env.sandbox`.
 
 Tools that block (CPU-bound work, blocking I/O) must not run on the event loop: they
-would stall every trajectory of their worker. Write `execute` with `await
-asyncio.to_thread(...)` around such work; `check_tool_class` runs a contract any tool
-class can be checked with.
+would stall every trajectory of their worker, and no timeout could fire. Either write
+`execute` with `await asyncio.to_thread(...)` around such work, or set the class attribute
+`blocking = True`: the agent loop then runs `execute` on a thread with its own event loop
+(the tool timeout holds; the thread finishes on its own). A worker notices a blocked loop
+and names the tools that were executing (rollout/event_loop_stalls). `check_tool_class`
+checks the contract any tool class must meet without building it.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from envs.trajectory_env import EnvBuilder
+from reward.loop import RewardLoop
 from envs.tools.base import ToolResult, function_schema
 from trainer.tiny_model import ensure_tiny_model
 from rollout.agent_loop import LoopSettings
@@ -52,15 +54,19 @@ class SleepingStandInTool:
     name = "run"
     schema = function_schema("run", "Run a command.", {"cmd": {"type": "string"}}, ("cmd",))
 
-    async def create(self, task): pass
+    def __init__(self, env=None) -> None:
+        pass
 
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
         await asyncio.sleep(TOOL_S)
         return ToolResult("ok")
 
-    async def calc_reward(self): return None
 
-    async def release(self): pass
+class ZeroReward:
+    async def __call__(self, trajectory, task, ctx):
+        from reward.base import RewardResult
+
+        return RewardResult(0.0)
 
 
 async def run(num_trajectories: int, turns: int, group_size: int) -> dict[str, float]:
@@ -75,7 +81,10 @@ async def run(num_trajectories: int, turns: int, group_size: int) -> dict[str, f
     worker = AgentLoopWorker(default_loop="rollout.agent_loop:ToolAgentLoop", settings=settings,
                              chat=chat, tokenizer=tokenizer,
                              router=Router({"stand-in": SleepingStandInEngine(reply)}),
-                             tool_factories={"run": SleepingStandInTool}, trajectory_timeout_s=3600)
+                             envs=EnvBuilder({"run": SleepingStandInTool}),
+                             rewards=RewardLoop(f"{__name__}:ZeroReward", tokenizer.decode,
+                                                timeout_s=60, max_concurrency=1 << 16),
+                             trajectory_timeout_s=3600)
     tasks = [Task(f"t{i}", (Message("user", f"Fix bug {i}."),), tools=("run",))
              for i in range(num_trajectories // group_size)]
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -9,6 +9,7 @@ Prints one JSON line per completed step: {"step", "version", "loss", "cursor"}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -19,10 +20,17 @@ import torch
 from trainer.tiny_model import ensure_tiny_model
 from envs.types import NO_VERSION, Trajectory
 from trainer.backends.deepspeed_backend import DeepSpeedBackend
+from buffer.replay_buffer import BufferState
 from trainer.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import LossConfig, TrainConfig
+from trainer.controller import ControllerState
 
 GROUPS_PER_STEP = 2
+
+
+def fresh_state() -> RunState:
+    """A run at step 0: nothing buffered, nothing in flight."""
+    return RunState(ControllerState(0, 0, (), BufferState((), 0, 0, {}, 0, 0, {}), 0))
 
 
 def synthetic_batch(cursor: int) -> tuple[list[Trajectory], np.ndarray]:
@@ -50,20 +58,21 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = TrainConfig(zero_stage=2, lr=1e-3, num_minibatches=2, micro_batch_tokens=128)
     backend = DeepSpeedBackend(cfg, ensure_tiny_model())
-    state = RunState(step=0, data_cursor=0)
+    state = fresh_state()
     if args.resume:
         state = load_checkpoint(latest_checkpoint(args.run_dir), backend)
     while state.step < args.steps:
-        trajs, adv = synthetic_batch(state.data_cursor)
+        trajs, adv = synthetic_batch(state.controller.data_cursor)
         # RNG consumed by training (as a real run's sampling would): resume must restore it.
         adv = adv + 0.01 * torch.randn(len(adv)).numpy()
         if state.step == args.kill_during_step:
             os.kill(os.getpid(), signal.SIGKILL)
         result = backend.train_step(trajs, adv, LossConfig())
-        state.step, state.data_cursor = backend.version, state.data_cursor + 1
+        state.controller = dataclasses.replace(state.controller, version=backend.version,
+                                               data_cursor=state.controller.data_cursor + 1)
         save_checkpoint(args.run_dir, backend, state, keep_last=2)
         print(json.dumps({"step": state.step, "version": backend.version, "loss": result.loss,
-                          "cursor": state.data_cursor}), flush=True)
+                          "cursor": state.controller.data_cursor}), flush=True)
 
 
 if __name__ == "__main__":

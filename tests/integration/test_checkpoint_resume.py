@@ -4,6 +4,7 @@ so its losses equal an uninterrupted run's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -48,13 +49,17 @@ def test_killed_run_resumes_exactly(tmp_path):
 
 
 def test_a_half_written_checkpoint_is_ignored(tmp_path):
-    from trainer.checkpoint import RunState, save_checkpoint
+    from resume_run import fresh_state
+
+    from trainer.checkpoint import save_checkpoint
 
     class Backend:
         def save_state(self, folder):
             Path(folder).mkdir(parents=True)
             (Path(folder) / "w").write_text("ok")
 
-    save_checkpoint(tmp_path, Backend(), RunState(step=1, data_cursor=1))
+    state = fresh_state()
+    state.controller = dataclasses.replace(state.controller, version=1, data_cursor=1)
+    save_checkpoint(tmp_path, Backend(), state)
     (tmp_path / ".tmp-step-000002-123").mkdir()  # a crash while writing step 2
     assert latest_checkpoint(tmp_path).name == "step-000001"

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from envs.tools.sandbox_tools import build_sandbox_tool_settings, build_sandbox_tools
+from envs.tools.sandbox_tools import build_sandbox_tool_settings
+from envs.trajectory_env import EnvBuilder, load_tool_classes
 from envs.types import Message, Task
 from trainer.config import EnvsConfig
 
@@ -40,8 +41,9 @@ async def provider() -> AsyncIterator:
 async def test_tools_work_through_the_actor(provider) -> None:
     task = Task("t", (Message("user", "hi"),), tools=("bash", "write_file", "read_file"))
     settings = build_sandbox_tool_settings(ENVS)
-    trajectories = [build_sandbox_tools(provider, settings, task.tools) for _ in range(2)]
-    await asyncio.gather(*(t.create(task) for tools in trajectories for t in tools.values()))
+    envs = [EnvBuilder(load_tool_classes(), provider, settings).build(task) for _ in range(2)]
+    await asyncio.gather(*(env.open() for env in envs))
+    trajectories = [env.tools for env in envs]
     for i, tools in enumerate(trajectories):
         await tools["write_file"].execute({"path": "a.txt", "content": f"from {i}\n"})
         shown = await tools["bash"].execute({"command": "cat a.txt"})
@@ -50,9 +52,9 @@ async def test_tools_work_through_the_actor(provider) -> None:
         assert missing.is_error and missing.text == "Error: no file 'missing.txt' in the workspace"
     leases = [tools["bash"].session.lease for tools in trajectories]
     assert {lease.pool for lease in leases} == {"sandbox-pool-0", "sandbox-pool-1"}  # round-robin
-    await asyncio.gather(*(t.release() for tools in trajectories for t in tools.values()))
-    for i, tools in enumerate(trajectories):  # captured in the actor before the release
-        assert tools["read_file"].final_workspace.written == {"a.txt": f"from {i}\n".encode()}
+    captured = await asyncio.gather(*(env.release() for env in envs))
+    for i, workspace in enumerate(captured):  # captured in the actor before the release
+        assert workspace.written == {"a.txt": f"from {i}\n".encode()}
     for handle in provider.handles.values():
         stats = await handle.stats.remote()
         assert (stats.num_in_use, stats.num_acquires, stats.num_warm_hits) == (0, 1, 1)

@@ -6,6 +6,7 @@ from vLLM's counters, and losing an engine mid-run without losing a trajectory."
 from __future__ import annotations
 
 import asyncio
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,9 @@ import pytest_asyncio
 import torch
 
 from envs.tools.base import ToolResult, function_schema
+from envs.trajectory_env import EnvBuilder
+from reward.base import RewardResult
+from reward.loop import RewardLoop
 from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
 from rollout.recorder import Budgets
@@ -31,7 +35,8 @@ class EchoTool:
     schema = function_schema("echo", "Repeat text.", {"text": {"type": "string"}}, ("text",))
     on_execute = None  # a test hook: an async callable run inside the tool (e.g. a weight push)
 
-    async def create(self, task): pass
+    def __init__(self, env=None) -> None:
+        pass
 
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
         if EchoTool.on_execute is not None:
@@ -39,9 +44,12 @@ class EchoTool:
         await asyncio.sleep(0.01)
         return ToolResult(f"echo: {arguments['text']} " + "filler " * 20)
 
-    async def calc_reward(self): return None
 
-    async def release(self): pass
+class LengthReward:
+    """A RewardFn for tasks without an answer: the share of the budget left unused."""
+
+    async def __call__(self, trajectory, task, ctx) -> RewardResult:
+        return RewardResult(1.0 / (1 + len(trajectory.response_ids)))
 
 
 class ForcedToolLoop:
@@ -125,7 +133,10 @@ def make_worker(tokenizer, router, max_turns=4, max_new=24):
                             max_tool_calls_per_turn=2, tool_timeout_s=30)
     return AgentLoopWorker(default_loop=f"{__name__}:ForcedToolLoop", settings=settings,
                            chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
-                           router=router, tool_factories={"echo": EchoTool}, trajectory_timeout_s=300)
+                           router=router, envs=EnvBuilder({"echo": EchoTool}),
+                           rewards=RewardLoop(f"{__name__}:LengthReward", tokenizer.decode,
+                                              timeout_s=30, max_concurrency=16),
+                           trajectory_timeout_s=300)
 
 
 def hf_logprobs(model, traj):
@@ -259,8 +270,10 @@ async def test_worker_actor_runs_a_group_from_the_recipe(tiny_model_path):
     engines = await start_engines(EngineSpec.from_config(cfg, str(tiny_model_path)), 1)
     actor = AgentWorkerActor.remote(cfg, str(tiny_model_path),
                                     {n: c.handle for n, c in engines.items()})
-    task = Task("calc", (Message("user", "What is 6*7? Use the calculator."),), tools=("calculator",))
-    group = await actor.run_group.remote(task, "ga", 3)
+    task = Task("calc", (Message("user", "What is 6*7? Use the calculator."),), tools=("calculator",),
+                answer="42")
+    group = pickle.loads(await actor.run_group.remote(task, "ga", 3))  # scored on the worker
+    assert all(t.reward is not None for t in group.trajectories)
     assert group.size == 3 and all(t.termination in (TerminationReason.FINISHED,
                                                       TerminationReason.MAX_TOKENS,
                                                       TerminationReason.MAX_TURNS)

@@ -1,6 +1,7 @@
 """Sandbox tools over a SandboxPool of real LocalSandboxes: one trajectory using every
 tool, the errors the model gets back, isolation between trajectories, nothing left on
-the host after release, and the real AgentLoopWorker building tools from the factories."""
+the host after release, and the real AgentLoopWorker giving each trajectory its own
+environment (envs.trajectory_env)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import pytest
 
 from envs.pool import SandboxPool
 from envs.sandbox.base import SandboxLimits, SandboxSpec
-from envs.tools.sandbox_tools import (SandboxToolSettings, build_sandbox_tool_factories,
-                                      build_sandbox_tools)
+from envs.tools.sandbox_tools import SandboxToolSettings
+from envs.trajectory_env import EnvBuilder, load_tool_classes
 from envs.types import Message, Task, TerminationReason
 
 SMALL = SandboxLimits(memory_mb=256, max_processes=64)
@@ -69,8 +70,9 @@ def task(tmp_path: Path) -> Task:
 
 async def test_one_trajectory_uses_every_tool_in_one_workspace(recording: Recording,
                                                                task: Task) -> None:
-    tools = build_sandbox_tools(recording.pool, SETTINGS, ALL_TOOLS)
-    await asyncio.gather(*(t.create(task) for t in tools.values()))
+    env = EnvBuilder(load_tool_classes(), recording.pool, SETTINGS).build(task)
+    await env.open()
+    tools = env.tools
     try:
         failing = await tools["run_tests"].execute({})
         assert not failing.is_error and failing.text.startswith("exit code: 1\n")
@@ -92,13 +94,14 @@ async def test_one_trajectory_uses_every_tool_in_one_workspace(recording: Record
         submitted = await tools["submit"].execute({})
         assert submitted.ends_trajectory
     finally:
-        await asyncio.gather(*(t.release() for t in tools.values()))
+        await env.release()
     assert recording.pool.stats().num_in_use == 0 and recording.leftovers() == []
 
 
 async def test_tool_mistakes_come_back_as_error_results(recording: Recording, task: Task) -> None:
-    tools = build_sandbox_tools(recording.pool, SETTINGS, ALL_TOOLS)
-    await asyncio.gather(*(t.create(task) for t in tools.values()))
+    env = EnvBuilder(load_tool_classes(), recording.pool, SETTINGS).build(task)
+    await env.open()
+    tools = env.tools
     try:
         await tools["write_file"].execute({"path": "twice.py", "content": "x = 1\nx = 1\n"})
         cases = [
@@ -121,22 +124,22 @@ async def test_tool_mistakes_come_back_as_error_results(recording: Recording, ta
         assert not crashed.is_error and crashed.text.startswith("exit code: 1\n")
         assert "bad input" in crashed.text
     finally:
-        await asyncio.gather(*(t.release() for t in tools.values()))
+        await env.release()
 
 
 async def test_two_trajectories_never_see_each_others_files(recording: Recording,
                                                             task: Task) -> None:
-    factories = build_sandbox_tool_factories(recording.pool, SETTINGS)
+    envs = EnvBuilder(load_tool_classes(), recording.pool, SETTINGS)
 
     async def trajectory(secret: str) -> str:
-        tools = {name: factories[name]() for name in task.tools}
-        await asyncio.gather(*(t.create(task) for t in tools.values()))
+        env = envs.build(task)
+        await env.open()
         try:
-            await tools["write_file"].execute({"path": f"{secret}.txt", "content": secret})
+            await env.tools["write_file"].execute({"path": f"{secret}.txt", "content": secret})
             await asyncio.sleep(0.2)  # both have written before either looks
-            return (await tools["bash"].execute({"command": "ls *.txt; cat *.txt"})).text
+            return (await env.tools["bash"].execute({"command": "ls *.txt; cat *.txt"})).text
         finally:
-            await asyncio.gather(*(t.release() for t in tools.values()))
+            await env.release()
 
     first, second = await asyncio.gather(trajectory("alpha"), trajectory("beta"))
     assert "alpha" in first and "beta" not in first
@@ -164,6 +167,16 @@ class ScriptedEngine:
                            np.zeros(n, np.int32), "stop", len(prompt_ids), 0)
 
 
+class WorkspaceWritten:
+    """A RewardFn: 1 when the final workspace holds log.txt with two lines."""
+
+    async def __call__(self, trajectory, task, ctx):
+        from reward.base import RewardResult
+
+        written = ctx.workspace.written if ctx.workspace is not None else {}
+        return RewardResult(float(written.get("log.txt") == b"one\ntwo\n"))
+
+
 def call(name: str, **arguments: object) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
@@ -176,6 +189,7 @@ async def test_the_worker_gives_each_trajectory_its_own_shared_sandbox(
     from rollout.chat import build_continuity_builder
     from rollout.recorder import Budgets
     from rollout.router import Router
+    from reward.loop import RewardLoop
     from rollout.worker import AgentLoopWorker
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -187,11 +201,14 @@ async def test_the_worker_gives_each_trajectory_its_own_shared_sandbox(
                               max_tool_calls_per_turn=2, tool_timeout_s=30.0),
         chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
         router=Router({"e0": ScriptedEngine(tokenizer, script)}),
-        tool_factories=build_sandbox_tool_factories(recording.pool, SETTINGS),
+        envs=EnvBuilder(load_tool_classes(), recording.pool, SETTINGS),
+        rewards=RewardLoop(f"{__name__}:WorkspaceWritten", tokenizer.decode, timeout_s=30.0,
+                           max_concurrency=4),
         trajectory_timeout_s=60.0)
     group = await worker.run_group(task, "g0", 3)
     for trajectory in group.trajectories:
         assert trajectory.termination is TerminationReason.FINISHED, trajectory.termination_detail
+        assert trajectory.reward == 1.0  # graded on the worker from the captured workspace
         text = tokenizer.decode(trajectory.response_ids.tolist())
         # write_file and bash met in one workspace, which no other trajectory touched.
         assert "stdout:\n2\n" in text, text

@@ -2,8 +2,9 @@
 ToolAgentLoop trajectories of a bundled code task (a scripted stand-in engine writes the
 model's turns) whose sandbox tools edit files in real LocalSandboxes of a SandboxPool;
 when each trajectory ends, however it ends, the pool captures its workspace before the
-sandbox is released, and RewardLoop + HiddenTests grade that capture in a fresh sandbox:
-1 for a correct fix, 0 for a wrong one, 0 when the agent edited the tests instead."""
+sandbox is released, and the worker's own RewardLoop + HiddenTests grade that capture in a
+fresh sandbox right there: 1 for a correct fix, 0 for a wrong one, 0 when the agent edited
+the tests instead. The capture never rides on the Trajectory."""
 
 from __future__ import annotations
 
@@ -20,13 +21,25 @@ from envs.pool import SandboxPool
 from envs.sandbox.base import SandboxLimits
 from envs.tasks import load_tasks
 from envs.tasks.code import VISIBLE_TESTS_DIR, spec_by_name
-from envs.tools.sandbox_tools import SandboxToolSettings, build_sandbox_tool_factories
+from envs.tools.sandbox_tools import SandboxToolSettings
+from envs.trajectory_env import EnvBuilder, load_tool_classes
+from reward.tests import HiddenTests
 from reward.loop import RewardLoop
 from envs.types import HIDDEN_TESTS_DIR, Task, TerminationReason
 
 SETTINGS = SandboxToolSettings(limits=SandboxLimits(memory_mb=512, max_processes=64),
                                exec_timeout_s=30.0, max_observation_tokens=1500)
 ABORT = "<the engine aborts this generation>"
+
+
+class RecordingHiddenTests:
+    """HiddenTests that also keeps the workspace each trajectory was graded on."""
+
+    seen: dict = {}
+
+    async def __call__(self, trajectory, task, ctx):
+        RecordingHiddenTests.seen[trajectory.index] = ctx.workspace
+        return await HiddenTests()(trajectory, task, ctx)
 
 
 def call(name: str, **arguments: object) -> str:
@@ -113,15 +126,21 @@ async def test_hidden_tests_grade_the_final_workspace_of_real_trajectories(
                               max_tool_calls_per_turn=2, tool_timeout_s=60.0),
         chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
         router=Router({"e0": PerTrajectoryEngine(tokenizer, scripts)}),
-        tool_factories=build_sandbox_tool_factories(pool, SETTINGS), trajectory_timeout_s=120.0)
+        envs=EnvBuilder(load_tool_classes(), pool, SETTINGS),
+        rewards=RewardLoop(f"{__name__}:RecordingHiddenTests", tokenizer.decode, timeout_s=120.0,
+                           max_concurrency=2),
+        trajectory_timeout_s=120.0)
 
-    group = await worker.run_group(task, "g0", len(scripts))
+    RecordingHiddenTests.seen = {}
+    worker.rewards.scope = "all"  # the recording stand-in instead of the task's HiddenTests
+    scored = await worker.run_group(task, "g0", len(scripts))
+    group = scored
 
     assert [t.termination for t in group.trajectories] == [
         TerminationReason.FINISHED, TerminationReason.FINISHED, TerminationReason.ERROR,
         TerminationReason.FINISHED], [t.termination_detail for t in group.trajectories]
     assert pool.stats().num_in_use == 0  # every sandbox was released after its capture
-    right, wrong, errored, test_edits = (t.workspace for t in group.trajectories)
+    right, wrong, errored, test_edits = (RecordingHiddenTests.seen[i] for i in range(4))
     assert right is not None and wrong is not None and errored is not None
     assert test_edits is not None
     assert RIGHT_BODY.encode() in right.written[spec.module]
@@ -129,11 +148,7 @@ async def test_hidden_tests_grade_the_final_workspace_of_real_trajectories(
     assert {hidden_file, "conftest.py"} <= set(test_edits.written)
     assert spec.module not in test_edits.written
     assert not any("__pycache__" in path for path in right.written)  # run_tests left some
-    assert all(not t.workspace.problem for t in group.trajectories)
-
-    rewards = RewardLoop("reward.tests:HiddenTests", tokenizer.decode, timeout_s=120.0,
-                         max_concurrency=2)
-    scored = await rewards.score_group(group, task)
+    assert all(not w.problem for w in RecordingHiddenTests.seen.values())
 
     by_index = {t.index: t for t in scored.trajectories}
     details = {i: (t.reward, t.reward_components) for i, t in by_index.items()}
@@ -143,4 +158,4 @@ async def test_hidden_tests_grade_the_final_workspace_of_real_trajectories(
     assert by_index[3].reward_components["tests_passed_frac"] == 0.0, details
     assert by_index[3].reward_components["reverted_changes"] == 3.0, details
     assert all(t.reward_components["tamper_detected"] == 0.0 for t in scored.trajectories)
-    assert all(t.workspace is None for t in scored.trajectories)  # dropped once scored
+    assert not any(hasattr(t, "workspace") for t in scored.trajectories)  # never on a Trajectory

@@ -294,3 +294,60 @@ async def test_continuity_check_mode_reports_a_broken_builder(tokenizer):
     worker.settings = dataclasses.replace(worker.settings, continuity_check=True)
     await worker.run_trajectory(TASK, "g", 0)
     assert worker.stats().num_continuity_divergences == 1
+
+
+class SleepyTool:
+    """A tool doing blocking work (time.sleep) inside execute."""
+
+    name = "sleepy"
+    schema = function_schema("sleepy", "Block for a while.", {"s": {"type": "number"}}, ("s",))
+    blocking = False
+
+    def __init__(self, env=None) -> None:
+        pass
+
+    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+        import time
+
+        time.sleep(float(arguments["s"]))
+        return ToolResult("woke up")
+
+
+class DeclaredSleepyTool(SleepyTool):
+    blocking = True  # runs on its own thread: the timeout holds, the loop stays free
+
+
+async def test_a_declared_blocking_tool_is_timed_out_off_the_event_loop(tokenizer):
+    from envs.trajectory_env import EnvBuilder
+
+    worker, _ = make_worker(tokenizer, [call("sleepy", s=1.5), "Answer: 5"], tool_timeout_s=0.3)
+    worker.envs = EnvBuilder({"sleepy": DeclaredSleepyTool, "calculator": CalculatorTool})
+    task = Task("t0", TASK.messages, tools=("sleepy",), answer="5")
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.05)
+            ticks += 1
+    tick = asyncio.create_task(ticker())
+    traj = await worker.run_trajectory(task, "g", 0)
+    tick.cancel()
+    text = tokenizer.decode(traj.response_ids.tolist())
+    assert "Timeout: sleepy did not finish within 0.3 s." in text
+    assert ticks >= 4  # the event loop kept running while the tool slept
+    assert worker.stats().num_loop_stalls == 0
+
+
+async def test_an_undeclared_blocking_tool_is_detected_and_named(tokenizer, caplog):
+    from envs.trajectory_env import EnvBuilder
+
+    worker, _ = make_worker(tokenizer, [call("sleepy", s=1.6), "Answer: 5"], tool_timeout_s=5)
+    worker.envs = EnvBuilder({"sleepy": SleepyTool, "calculator": CalculatorTool})
+    task = Task("t0", TASK.messages, tools=("sleepy",), answer="5")
+    with caplog.at_level("WARNING", logger="rollout.worker"):
+        await worker.run_group(task, "g", 1)
+        await asyncio.sleep(0.3)  # the watchdog's next tick reports it
+    assert worker.stats().num_loop_stalls >= 1
+    assert any("while sleepy executed" in r.message and "blocking = True" in r.message
+               for r in caplog.records)

@@ -109,28 +109,34 @@ class FakeTrainer:
         self.train_s = train_s
         self.batches: list[TrainBatch] = []
         self.pushes: list[int] = []
+        self.prepared = -1
 
     async def train(self, batch: TrainBatch) -> TrainOutcome:
         self.batches.append(batch)
         await asyncio.sleep(self.train_s)
         return TrainOutcome({"loss/loss": 0.0})
 
+    async def prepare_weights(self, version: int) -> None:
+        assert self.rollout.gate.is_open  # the gather overlaps rollout: gates still open
+        self.prepared = version
+
     async def push_weights(self, version: int) -> None:
+        assert self.prepared == version, "push without its prepare"
         gate = self.rollout.gate
         assert not gate.is_open and gate.num_generating == 0, "a push landed inside a turn"
         await asyncio.sleep(0.001)
         self.rollout.engine_version = version
         self.pushes.append(version)
 
-    def save(self, folder: Path) -> None: ...
+    def save_state(self, folder: Path) -> None: ...
 
-    def load(self, folder: Path) -> None: ...
+    def load_state(self, folder: Path) -> None: ...
 
 
-def make(rollout: FakeRollout | None = None, *, steps: int = 4, eta: int = 1, B: int = 2,
+def make(fake: FakeRollout | None = None, *, steps: int = 4, eta: int = 1, B: int = 2,
          G: int = 2, policy: str = "mask", train_s: float = 0.002, eval_tasks=(),
          breaker: int = 4, **extra) -> tuple[Controller, FakeRollout, FakeTrainer]:
-    rollout = rollout or FakeRollout()
+    rollout = fake or FakeRollout()
     cfg = build_config({"train": {"num_steps": steps, "groups_per_step": B, "group_size": G,
                                   **extra.pop("train", {})},
                         "buffer": {"max_staleness": eta, "failure_policy": policy,
@@ -340,3 +346,15 @@ def test_train_batch_shards_balance_tokens_not_counts():
     assert max(by_count) / (sum(by_count) / 2) > 1.01  # what contiguous count splits gave
     merged = sorted((t.index, float(a)) for s in shards for t, a in zip(s.trajectories, s.advantages))
     assert merged == [(i, float(i)) for i in range(8)]  # each advantage stays with its trajectory
+
+
+async def test_admission_stops_at_the_sandbox_capacity_times_oversubscription():
+    # 2 workers x 3 sandboxes x 1.4 = 8 trajectories = 2 groups of 4 in flight at most,
+    # although the staleness budget would allow (3 + 1) * 2 = 8 groups.
+    ctl, rollout, _ = make(FakeRollout(turn_s=0.01), steps=3, eta=3, B=2, G=4,
+                           envs={"num_sandbox_workers": 2, "sandboxes_per_worker": 3,
+                                 "num_warm_sandboxes": 0, "sandbox_oversubscription": 1.4},
+                           rollout={"num_agent_workers": 2})
+    assert ctl.max_running_groups == 2
+    await ctl.run()
+    assert rollout.peak_in_flight == 2

@@ -156,3 +156,53 @@ async def test_gate_reports_queue_wait():
     asyncio.get_running_loop().call_later(0.05, gate.open)
     async with gate.turn() as waited_s:
         assert waited_s >= 0.04
+
+
+class LoadedEngine(FakeEngine):
+    """Reports its own running requests, from every router that sends to it."""
+
+    def __init__(self, name: str, delay_s: float = 0.05) -> None:
+        super().__init__(name, delay_s)
+        self.running = 0
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        self.running += 1
+        try:
+            return await super().generate(request_id, prompt_ids, sampling)
+        finally:
+            self.running -= 1
+
+    async def get_stats(self):
+        return EngineStats(self.version, self.running, self.running, 0, 0.0, 0, 0, False)
+
+
+async def test_new_sessions_follow_the_engines_own_load_across_routers():
+    engines = {"a": LoadedEngine("a"), "b": LoadedEngine("b")}
+    busy = Router(engines)  # another worker's router put 6 long requests on engine a
+    for i in range(6):
+        busy._sessions[f"x{i}"] = "a"
+    jobs = [asyncio.create_task(busy.generate(f"x{i}", f"x{i}#1", [1], SAMPLING)) for i in range(6)]
+    await asyncio.sleep(0.01)
+    blind, shared = Router(engines), Router(engines, load_poll_s=10.0)
+    await shared.refresh_load()
+
+    async def place(router: Router) -> list[str]:
+        await asyncio.gather(*(router.generate(f"s{i}", f"s{i}#1", [1], SAMPLING) for i in range(4)))
+        return [router._sessions[f"s{i}"] for i in range(4)]
+    placed_blind, placed_shared = await asyncio.gather(place(blind), place(shared))
+    assert placed_blind.count("a") == 2  # it sees only its own requests: half land on a
+    assert placed_shared == ["b"] * 4  # a runs 6 requests, b none: b until it catches up
+    await asyncio.gather(*jobs)
+    shared.close()
+
+
+async def test_stickiness_is_bounded_by_the_imbalance():
+    engines = {"a": LoadedEngine("a"), "b": LoadedEngine("b")}
+    router = Router(engines, max_imbalance=3)
+    assert router._pick("s")[0] == "a"
+    router._reported = {"a": 10, "b": 2}  # a got crowded by others since
+    name, moved = router._pick("s")
+    assert (name, moved) == ("b", True) and router.stats().num_rebalanced == 1
+    assert router.stats().num_reroutes == 0  # not a failure
+    router._reported = {"a": 4, "b": 2}
+    assert router._pick("s") == ("b", False)  # within the bound: sticky

@@ -1,0 +1,131 @@
+"""Stopping and resuming the whole system as a user does it, through `python -m
+trainer.main`: Ctrl-C (SIGINT) and SIGTERM mid-run stop at a step boundary with a
+checkpoint, print the resume command, and leave no Ray process, sandbox mount or sandbox
+folder behind; a SIGKILLed driver's leftovers are reaped by the next start; each resume
+(`checkpoint.resume_from=latest` with the same run name) continues the same metrics file
+without a repeated step, with totals carried across resumes, the staleness bound held
+and no more admissions than a fresh run would make."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ETA = 1
+B = 2
+
+
+def overrides(tmp_path: Path, steps: int) -> list[str]:
+    return ["recipe=quickstart.yaml", "model.warm_start=null", "eval.tasks=null",
+            f"train.num_steps={steps}", "train.group_size=2", f"train.groups_per_step={B}",
+            f"buffer.max_staleness={ETA}", "checkpoint.every_steps=1", "train.backend=torch",
+            f"logging.output_dir={tmp_path}", "logging.run_name=stoppable",
+            "logging.wandb_mode=disabled", "logging.console=false"]
+
+
+def start(tmp_path: Path, steps: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "trainer.main", *overrides(tmp_path, steps), *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(r.get("step", 0) >= step and "reward/mean" in r for r in metric_rows(run_dir)):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited {proc.returncode} early:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"no step {step} within {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+
+
+def sandbox_mounts() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line for line in f if "sluice" in line]
+
+
+def ray_processes_of(pid_before: set[int]) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines()[1:]:
+        pid, _, args = line.strip().partition(" ")
+        if int(pid) not in pid_before and ("ray::" in args or "raylet" in args or "gcs_server" in args
+                                           or "dashboard" in args or "runtime_env" in args):
+            found.append(line)
+    return found
+
+
+def all_pids() -> set[int]:
+    return {int(p) for p in os.listdir("/proc") if p.isdigit()}
+
+
+def assert_nothing_left(before: set[int], mounts_before: list[str], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = ray_processes_of(before)
+        mounts = [m for m in sandbox_mounts() if m not in mounts_before]
+        if not left and not mounts:
+            return
+        time.sleep(0.5)
+    assert left == [] and mounts == []
+
+
+def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_path):
+    run_dir = tmp_path / "stoppable"
+    pids, mounts = all_pids(), sandbox_mounts()
+    proc = start(tmp_path, 200)
+    wait_for_step(proc, run_dir, 2)
+    os.kill(proc.pid, signal.SIGINT)  # one Ctrl-C is enough (SIGTERM takes the same path)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out[-4000:]
+    assert "resume with:" in out and "checkpoint.resume_from=" in out, out[-2000:]
+    first = metric_rows(run_dir)
+    stopped_at = max(r["step"] for r in first)
+    # The step it stopped at is checkpointed, and the run left nothing behind.
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{stopped_at:06d}"
+    assert_nothing_left(pids, mounts)
+
+    proc = start(tmp_path, 200, "checkpoint.resume_from=latest")  # resume 1, then SIGKILL
+    wait_for_step(proc, run_dir, max(r["step"] for r in first) + 2)
+    os.kill(proc.pid, signal.SIGKILL)  # the driver only: its Ray processes and mounts stay
+    proc.wait(timeout=30)
+    killed_at = max(r["step"] for r in metric_rows(run_dir))
+
+    target = killed_at + 2  # resume 2 runs to the end; the start reaps what SIGKILL left
+    proc = start(tmp_path, target, "checkpoint.resume_from=latest")
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    rows = [r for r in metric_rows(run_dir) if "reward/mean" in r]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, target + 1)), steps  # no step twice, none missing
+    admitted = [r["buffer/admitted"] for r in rows]
+    trained = [r["buffer/trained"] for r in rows]
+    assert trained == [B * s for s in steps]  # totals across resumes, not restarting at 0
+    assert all(a2 >= a1 for a1, a2 in zip(admitted, admitted[1:]))
+    # Never more than (eta + 1) * B groups alive (running + buffered) at a step boundary,
+    # before or after a resume: admitted - trained - dropped is exactly that number.
+    for r in rows:
+        dropped = sum(v for k, v in r.items() if k.startswith("buffer/dropped_"))
+        assert r["buffer/admitted"] - r["buffer/trained"] - dropped <= (ETA + 1) * B
+    assert all(r["staleness/max"] <= ETA for r in rows)
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{target:06d}"
+    assert (run_dir / "config.yaml").is_file()
+    assert_nothing_left(pids, mounts)
