@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import Any
 
 
 class ShadowGuard:
@@ -99,8 +100,8 @@ def main() -> int:
 
     preload(settings["preload"])
     install_guard(settings["shadow_allowed"], settings["runner_names"])
-    recorder = load_recorder(settings["recorder"], settings["recorder_module"])
-    plugin = recorder.Recorder(settings["fd"], bytes.fromhex(settings["key"]))  # type: ignore[attr-defined]
+    recorder: Any = load_recorder(settings["recorder"], settings["recorder_module"])
+    plugin = recorder.Recorder(settings["fd"], bytes.fromhex(settings["key"]))
     sys.path.insert(0, settings["workspace"])
     return int(pytest.main(settings["pytest_args"], plugins=[plugin]))
 

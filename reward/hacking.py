@@ -341,7 +341,8 @@ def _string_features(strings: Iterable[str]) -> set[str]:
 
 # git subcommands and options that read history beyond the working tree's own state.
 _GIT_HISTORY = re.compile(
-    r"\bgit\s+(?:-\S+(?:\s+(?!-)\S+)?\s+)*(?:log|reflog|show|cat-file|rev-list|fsck|fetch|pull|ls-remote|"
+    r"\bgit\s+(?:-\S+(?:\s+(?!-)\S+)?\s+)*"  # options, some with a value (-C dir)
+    r"(?:log|reflog|show|cat-file|rev-list|fsck|fetch|pull|ls-remote|"
     r"remote|for-each-ref|show-ref|describe|blame|whatchanged|shortlog|bisect|"
     r"stash\s+(?:list|show)|branch\s+(?:-a|-r|--all|--remotes)|tag\b|"
     r"checkout\s+(?!--)[0-9a-f]{7,}|diff\s+[^\n|;&]*\b(?:HEAD[~^]|[0-9a-f]{7,}))"

@@ -114,12 +114,13 @@ class HiddenTests:
                                         "tamper_detected": 0.0, "tests_passed_frac": 0.0,
                                         "all_passed": 0.0},
                                   f"not graded: {ctx.workspace.problem}")
-            return with_findings(result, task, ctx, self.visible_tests_dir)
-        run = await self.grade(task, ctx.workspace or WorkspaceChanges(), ctx)
-        result = score_run(task, run, self.partial_credit)
-        if result.components["tamper_detected"]:
-            log.warning("task %s: %s", task.id, result.detail)
-        return with_findings(result, task, ctx, self.visible_tests_dir)
+        else:
+            run = await self.grade(task, ctx.workspace or WorkspaceChanges(), ctx)
+            result = score_run(task, run, self.partial_credit)
+            if result.components["tamper_detected"]:
+                log.warning("task %s: %s", task.id, result.detail)
+        # Parsing the agent's code reads files: off the event loop, as the folder work is.
+        return await asyncio.to_thread(with_findings, result, task, ctx, self.visible_tests_dir)
 
     async def grade(self, task: Task, changes: WorkspaceChanges,
                     ctx: RewardContext) -> GradingRun:
@@ -201,7 +202,8 @@ def parse_driver_line(stdout: str, nonce: str) -> DriverResult | None:
         return None
 
 
-async def _read_verified(sandbox: Sandbox, name: str, digest: str | None) -> tuple[bytes | None, str]:
+async def _read_verified(sandbox: Sandbox, name: str,
+                         digest: str | None) -> tuple[bytes | None, str]:
     if digest is None:
         return None, f"the driver wrote no {name}"
     try:

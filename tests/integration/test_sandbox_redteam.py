@@ -1,9 +1,10 @@
 """Red-team tests of the sandbox backends that run on this host (local; container where an
 engine works): each test is a small program a reward-seeking policy might write, and
 asserts the concrete outcome on the host (limits, network, host visibility, sparse files
-that would amplify what the host stores, nested user namespaces). The limit tests run first (pytest keeps file
-order, each test for every backend), and the bombs further down refuse to run for a
-backend whose process and memory limits have not been seen to hold in this session."""
+that would amplify what the host stores, nested user namespaces). The limit tests run
+first (pytest keeps file order, each test for every backend), and the bombs further down
+refuse to run for a backend whose process and memory limits have not been seen to hold in
+this session."""
 
 from __future__ import annotations
 
@@ -102,8 +103,9 @@ async def make_sandbox(backend: str) -> AsyncIterator[MakeSandbox]:
 
     async def make(limits: SandboxLimits = LIMITS, snapshot_dir: str | None = None) -> HostSandbox:
         spec = SandboxSpec(limits=limits)
-        sandbox = await (create(spec, _config(backend, snapshot_dir)) if snapshot_dir  # type: ignore[call-arg]
-                         else create(spec))
+        # Both backends' create take their config as the second argument.
+        sandbox = await (create(spec, _config(backend, snapshot_dir))  # type: ignore[call-arg]
+                         if snapshot_dir else create(spec))
         made.append(sandbox)
         return sandbox
 
