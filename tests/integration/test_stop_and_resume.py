@@ -62,37 +62,59 @@ def sandbox_mounts() -> list[str]:
         return [line for line in f if "sluice" in line]
 
 
-def ray_processes_of(pid_before: set[int]) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    found = []
-    for line in out.splitlines()[1:]:
-        pid, _, args = line.strip().partition(" ")
-        if int(pid) not in pid_before and ("ray::" in args or "raylet" in args or "gcs_server" in args
-                                           or "dashboard" in args or "runtime_env" in args):
-            found.append(line)
-    return found
+def process_tree(root: int) -> set[int]:
+    """`root` and every process descending from it now (Ray's GCS, raylet, dashboard and
+    runtime-env agents, actors, vLLM's engine core, sandboxes)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parent.items() if p == pid and c not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return tree
 
 
-def all_pids() -> set[int]:
-    return {int(p) for p in os.listdir("/proc") if p.isdigit()}
+def alive(pids: set[int]) -> list[str]:
+    out = []
+    for pid in sorted(pids):
+        try:
+            out.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}")
+        except OSError:
+            pass
+    return out
 
 
-def assert_nothing_left(before: set[int], mounts_before: list[str], timeout_s: float = 30) -> None:
+def assert_nothing_left(run_pids: set[int], run_mounts: list[str], timeout_s: float = 60) -> None:
+    """None of the run's processes lives, and none of the mounts made while it ran."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        left = ray_processes_of(before)
-        mounts = [m for m in sandbox_mounts() if m not in mounts_before]
-        if not left and not mounts:
-            return
+    while True:
+        left, mounts = alive(run_pids), [m for m in sandbox_mounts() if m in run_mounts]
+        if (not left and not mounts) or time.monotonic() > deadline:
+            break
         time.sleep(0.5)
     assert left == [] and mounts == []
 
 
+def snapshot(proc: subprocess.Popen, mounts_before: list[str]) -> tuple[set[int], list[str]]:
+    """The run's processes and the sandbox mounts made since it started."""
+    return process_tree(proc.pid), [m for m in sandbox_mounts() if m not in mounts_before]
+
+
 def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_path):
     run_dir = tmp_path / "stoppable"
-    pids, mounts = all_pids(), sandbox_mounts()
+    mounts_before = sandbox_mounts()
     proc = start(tmp_path, 200)
     wait_for_step(proc, run_dir, 2)
+    pids, mounts = snapshot(proc, mounts_before)
+    assert len(pids) > 5 and mounts  # Ray's processes, the engine, sandboxes with mounts
     os.kill(proc.pid, signal.SIGINT)  # one Ctrl-C is enough (SIGTERM takes the same path)
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out[-4000:]
@@ -105,6 +127,7 @@ def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_p
 
     proc = start(tmp_path, 200, "checkpoint.resume_from=latest")  # resume 1, then SIGKILL
     wait_for_step(proc, run_dir, max(r["step"] for r in first) + 2)
+    pids, mounts = snapshot(proc, mounts_before)
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its Ray processes and mounts stay
     proc.wait(timeout=30)
     killed_at = max(r["step"] for r in metric_rows(run_dir))
@@ -128,4 +151,6 @@ def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_p
     assert all(r["staleness/max"] <= ETA for r in rows)
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{target:06d}"
     assert (run_dir / "config.yaml").is_file()
-    assert_nothing_left(pids, mounts)
+    assert_nothing_left(pids, mounts)  # what the SIGKILL left was reaped by the last start
+    out_rows = [r for r in rows if "rollout/tool_parse/ok" in r]
+    assert out_rows  # tool-parse counts reach metrics.jsonl
