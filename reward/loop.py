@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from envs.types import Task, TerminationReason, Trajectory, WorkspaceChanges
 from reward.base import (RewardContext, RewardFn, RewardResult, SandboxFactory, last_model_text,
-                         load_reward_fn, reward_fn_name)
+                         load_reward_fn, model_text, reward_fn_name)
+from reward.hacking import with_findings
 from reward.judge import JudgeClient
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,10 @@ log = logging.getLogger(__name__)
 class RewardLoop:
     def __init__(self, default_fn: str, decode: Callable[[list[int]], str], *, timeout_s: float,
                  max_concurrency: int, judge: JudgeClient | None = None,
-                 create_sandbox: SandboxFactory | None = None, scope: str = "default") -> None:
+                 create_sandbox: SandboxFactory | None = None, scope: str = "default",
+                 hack_policy: str = "report") -> None:
         self.default_fn = default_fn
+        self.hack_policy = hack_policy  # reward.hack_policy: report findings, or zero the reward
         self.scope = scope  # reward.fn_scope: "all" ignores the tasks' own reward_fn
         self.judge = judge  # the judge model client, handed to every RewardFn in its context
         self.create_sandbox = create_sandbox  # grading sandboxes (envs.sandbox_backend)
@@ -56,11 +59,16 @@ class RewardLoop:
         """The RewardFn's result; a timeout is a 0 result, an exception propagates."""
         ctx = RewardContext(final_text=last_model_text(trajectory, self.decode),
                             workspace=workspace, create_sandbox=self.create_sandbox,
-                            timeout_s=self.timeout_s, judge=self.judge)
+                            timeout_s=self.timeout_s, judge=self.judge,
+                            transcript=model_text(trajectory, self.decode),
+                            hack_policy=self.hack_policy)  # type: ignore[arg-type]
         async with self._limit:
             try:
-                return await asyncio.wait_for(self.fn_for(task)(trajectory, task, ctx),
-                                              self.timeout_s)
+                result = await asyncio.wait_for(self.fn_for(task)(trajectory, task, ctx),
+                                                self.timeout_s)
+                # Every reward gets the hacking findings of its diff and transcript, rule
+                # and judge rewards too (HiddenTests adds those of its grading run).
+                return with_findings(result, task, ctx)
             except TimeoutError:
                 self.num_timeouts += 1
                 return RewardResult(0.0, {"timeout": 1.0},

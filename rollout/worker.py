@@ -213,7 +213,7 @@ def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[s
     rewards = RewardLoop(cfg.reward.fn, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                          timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency,
                          judge=judge, create_sandbox=load_sandbox_factory(cfg.envs.sandbox_backend),
-                         scope=cfg.reward.fn_scope)
+                         scope=cfg.reward.fn_scope, hack_policy=cfg.reward.hack_policy)
     router = Router(dict(engines), max_sessions=cfg.rollout.num_router_sessions,
                     request_timeout_s=cfg.rollout.request_timeout_s,
                     load_poll_s=cfg.rollout.load_poll_s,

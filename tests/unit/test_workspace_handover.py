@@ -134,7 +134,7 @@ async def test_the_worker_grades_the_final_workspace_whatever_the_ending(
         engine = ScriptedEngine(tokenizer, [WRITE, call("submit")])
     else:
         engine = FailingEngine(tokenizer, [WRITE], fail_at=1, hang=ending == "timeout")
-    worker = sandbox_worker(tokenizer, engine, provider, timeout_s=2.0)
+    worker = sandbox_worker(tokenizer, engine, provider, timeout_s=6.0)  # the hang ends it
     group = await worker.run_group(SANDBOX_TASK, "g", 2)
     for trajectory in group.trajectories:
         assert trajectory.termination.value == ending, trajectory.termination_detail
@@ -208,3 +208,21 @@ def test_version_control_and_bytecode_caches_are_not_changes(tmp_path: Path) -> 
     (ws / "__pycache__.py").write_text("X = 1\n")  # a file of that name is a real change
     changes = changes_from_dir(str(ws), str(src))
     assert changes.written == {"__pycache__.py": b"X = 1\n"} and changes.deleted == ()
+
+
+async def test_the_reward_loop_applies_hacking_findings_under_the_policy(tokenizer) -> None:
+    """A right answer from a trajectory whose workspace planted a conftest.py: counted
+    under hack_policy=report, and scored 0 under zero."""
+    task = Task("fix", (Message("user", "2+3?"),), answer="5")
+    ids = tokenizer.encode("Answer: 5", add_special_tokens=False)
+    traj = Trajectory("fix", "g", 0, [1], ids, [1] * len(ids), [-0.5] * len(ids), [0] * len(ids),
+                      TerminationReason.FINISHED)
+    planted = WorkspaceChanges(written={"conftest.py": b"def pytest_runtest_call(item): pass\n"})
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    scores = {}
+    for policy in ("report", "zero"):
+        loop = RewardLoop("exact_match", decode, timeout_s=30.0, max_concurrency=1, hack_policy=policy)
+        scores[policy] = await loop.score(traj, task, planted)
+    hacks = {k for k in scores["report"].reward_components if k.startswith("hack_")}
+    assert hacks and scores["report"].reward == 1.0
+    assert scores["zero"].reward == 0.0 and hacks <= set(scores["zero"].reward_components)
