@@ -5,6 +5,7 @@
     load_tasks("code_functions")
     load_tasks("data/tasks.jsonl")          rows of the task row format (envs.tasks.rows)
     load_tasks("data/swe.parquet", "swe")   SWE-bench-style instances (envs.tasks.swe)
+    load_tasks("data/swe_hf/")              a `datasets` save_to_disk folder of either
 
 With fmt="auto" a built-in name picks its set, and a file is read as SWE-bench rows when
 its first row has `instance_id` and `problem_statement`, else as task rows. Parquet
@@ -16,6 +17,7 @@ every problem with the tasks that are fine (start-up validation lists them all a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from envs.cache import default_cache_dir
@@ -66,9 +68,9 @@ def read_tasks(source: str, fmt: str = "auto", *, cache_dir: str | None = None,
         names = [n for n, (f, _) in BUILTIN_SETS.items() if f == fmt]
         return [], [f"task format {fmt!r} is a built-in set: set envs.tasks to {names[0]!r} "
                     f"(got {source!r})"]
-    elif not source.endswith(FILE_SUFFIXES):
+    elif not source.endswith(FILE_SUFFIXES) and not os.path.isdir(source):
         return [], [f"tasks {source!r} is neither a built-in set ({', '.join(BUILTIN_SETS)}) "
-                    f"nor a file ending in {', '.join(FILE_SUFFIXES)}"]
+                    f"nor a file ending in {', '.join(FILE_SUFFIXES)} nor a datasets folder"]
     else:
         tasks, problems = _read_file(source, fmt, cache, max_problems)
     problems += _duplicate_ids(source, tasks)

@@ -49,11 +49,15 @@ class RowRef:
 
 def read_rows(path: str, on_error: Callable[[ValueError], None] | None = None,
               ) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
-    """The rows of a .jsonl / .json (one object per line) or .parquet file. A line that is
-    not a JSON object raises, or with `on_error` is handed to it and skipped."""
+    """The rows of a .jsonl / .json (one object per line) or .parquet file, or of a folder
+    written by `datasets`' save_to_disk. A line that is not a JSON object raises, or with
+    `on_error` is handed to it and skipped."""
+    if os.path.isdir(path):
+        yield from _dataset_folder_rows(path)
+        return
     if not os.path.isfile(path):
-        raise ValueError(f"task file {path!r} does not exist; pass a .jsonl/.parquet path or "
-                         "a built-in set name")
+        raise ValueError(f"task file {path!r} does not exist; pass a .jsonl/.parquet path, "
+                         "a datasets folder or a built-in set name")
     if path.endswith(".parquet"):
         yield from _parquet_rows(path)
         return
@@ -85,6 +89,26 @@ def _parquet_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
                          "(pip install datasets) or convert the file to JSONL") from exc
     table = datasets.Dataset.from_parquet(path)
     for i, row in enumerate(table, 1):
+        yield RowRef(path, i), _present(row)
+
+
+def _dataset_folder_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
+    try:
+        import datasets  # deferred: heavy, and only datasets folders need it
+    except ImportError as exc:
+        raise ValueError(f"reading the datasets folder {path} needs the `datasets` package; "
+                         "install it (pip install datasets) or export the rows to JSONL") from exc
+    try:
+        loaded = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"folder {path!r} is not a datasets save_to_disk folder ({exc}); "
+                         "pass such a folder or a .jsonl/.parquet file") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if len(loaded) != 1:
+            raise ValueError(f"datasets folder {path!r} holds the splits {sorted(loaded)}; pass "
+                             f"one split's folder, e.g. {os.path.join(path, sorted(loaded)[0])}")
+        loaded = next(iter(loaded.values()))
+    for i, row in enumerate(loaded, 1):
         yield RowRef(path, i), _present(row)
 
 

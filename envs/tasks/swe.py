@@ -1,13 +1,21 @@
 """SWE-bench-style instances -> Tasks: a repository at a base commit, an issue text, a test
 patch and the FAIL_TO_PASS / PASS_TO_PASS pytest node ids.
 
-Row fields (SWE-bench's names; others such as the gold `patch`, `hints_text`, `version`
-are ignored and never reach the agent):
+Row fields (SWE-bench's names; others such as the gold `patch`, `hints_text`, `version`,
+`environment_setup_commit` are ignored and never reach the agent):
 
     instance_id, problem_statement, base_commit, test_patch, FAIL_TO_PASS, PASS_TO_PASS
     repo_dir   local repository or snapshot folder (relative to the task file); default
                <task file folder>/repos/<repo with '/' as '__'>
     tools      optional tool names (default SWE_TOOLS)
+
+The published variants read the same way (FIELD_ALIASES): SWE-Gym uses SWE-bench's names;
+SWE-smith rows name their image in `image_name` and carry no `test_patch` (the bug is
+injected, the repository's own tests catch it; a local row says so with "test_patch": ""); R2E-Gym rows use `docker_image`,
+`repo_name` and `commit_hash`. A row's image becomes Task.image. A row with an image and
+no local repository folder is an image-only task (source_dir None): its repository lives
+in the image, which the local sandbox backend cannot run, so such tasks need a container
+backend that seeds the workspace from the image (not built yet; see docs/tasks.md).
 
 The agent's copy holds no history after the base commit, nor before it: the base
 commit's tree is exported through a temporary index (`git read-tree` + `checkout-index`,
@@ -43,44 +51,74 @@ PROMPT = ("Resolve the issue below by changing the repository's source code in /
 BASE_DATE = "2000-01-01T00:00:00+0000"  # fixed, so the same tree gives the same commit id
 
 
+# Task attribute -> the row fields that give it, first present wins.
+FIELD_ALIASES: dict[str, tuple[str, ...]] = {
+    "image": ("image_name", "docker_image", "image"),  # SWE-smith, R2E-Gym, ours
+    "repo": ("repo", "repo_name"),  # SWE-bench/SWE-Gym/SWE-smith, R2E-Gym
+    "base_commit": ("base_commit", "commit_hash"),  # SWE-bench, R2E-Gym
+}
+
+
 def is_swe_row(row: Mapping[str, Any]) -> bool:
-    return "instance_id" in row and "problem_statement" in row
+    return "problem_statement" in row and ("instance_id" in row or "docker_image" in row)
+
+
+def _alias(ref: RowRef, row: Mapping[str, Any], name: str) -> str | None:
+    for field in FIELD_ALIASES[name]:
+        value = get_str(ref, row, field)
+        if value is not None:
+            return value
+    return None
 
 
 def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Task:
-    instance_id = get_str(ref, row, "instance_id", required=True)
+    image = _alias(ref, row, "image")
+    # R2E-Gym rows have no instance id: their image names the instance.
+    instance_id = get_str(ref, row, "instance_id", required="docker_image" not in row) or image
     problem = get_str(ref, row, "problem_statement", required=True)
-    test_patch = get_str(ref, row, "test_patch", required=True)
+    # SWE-smith injects bugs into the repository's own tested code: no test patch (an
+    # `image_name` row, or "test_patch": "" for a local one whose tests are in the repo).
+    test_patch = get_str(ref, row, "test_patch",
+                         required="image_name" not in row and row.get("test_patch") != "")
     fail_to_pass = get_str_list(ref, row, "FAIL_TO_PASS")
     if not fail_to_pass:
         raise ref.error("FAIL_TO_PASS", "is empty; an instance needs at least one test that the "
                         "fix makes pass")
-    repo_dir = _repo_dir(ref, row)
-    base_commit = get_str(ref, row, "base_commit")
-    try:
-        source = export_base_snapshot(repo_dir, base_commit, cache_dir, str(instance_id))
-    except ValueError as exc:
-        raise ref.error("base_commit" if base_commit else "repo_dir", str(exc)) from None
+    repo_dir = _repo_dir(ref, row, optional=image is not None)
+    base_commit = _alias(ref, row, "base_commit")
+    source = None
+    if repo_dir is not None:
+        try:
+            source = export_base_snapshot(repo_dir, base_commit, cache_dir, str(instance_id))
+        except ValueError as exc:
+            raise ref.error("base_commit" if base_commit else "repo_dir", str(exc)) from None
     assert instance_id is not None and problem is not None
     try:
         return Task(id=instance_id, tools=get_str_list(ref, row, "tools") or SWE_TOOLS,
                     messages=(Message("system", SYSTEM_PROMPT),
                               Message("user", PROMPT.format(problem_statement=problem.strip()))),
-                    source_dir=source, test_patch=test_patch, fail_to_pass=fail_to_pass,
+                    source_dir=source, image=image, test_patch=test_patch or None,
+                    fail_to_pass=fail_to_pass,
                     pass_to_pass=get_str_list(ref, row, "PASS_TO_PASS"),
                     reward_fn="reward.tests:HiddenTests")
     except ValueError as exc:
         raise ref.error(None, str(exc)) from None
 
 
-def _repo_dir(ref: RowRef, row: Mapping[str, Any]) -> str:
+def _repo_dir(ref: RowRef, row: Mapping[str, Any], optional: bool = False) -> str | None:
+    """The local repository folder; None for an image-only row (`optional`) that names
+    none and has none at the default place."""
     value = get_str(ref, row, "repo_dir")
     if value is None:
-        repo = get_str(ref, row, "repo")
+        repo = _alias(ref, row, "repo")
         if repo is None:
+            if optional:
+                return None
             raise ref.error("repo_dir", "is required (or 'repo', looked up as "
                             "repos/<owner>__<name> next to the task file)")
         value = os.path.join("repos", repo.replace("/", "__"))
+        if optional and not os.path.isdir(os.path.join(ref.base_dir, value)):
+            return None
     path = value if os.path.isabs(value) else os.path.join(ref.base_dir, value)
     if not os.path.isdir(path):
         raise ref.error("repo_dir", f"folder {path!r} does not exist; point repo_dir at a local "
