@@ -19,17 +19,21 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, TypeVar
 
 from trainer.config import SluiceConfig
-from trainer.controller import Controller, RunSummary
+from trainer.seams import RolloutSide, TrainerSide
+from trainer.controller import Controller, EnvMetrics, RunSummary
 from trainer.metrics import (ConsoleSink, EventSink, JsonlSink, MetricsLogger, MetricsSink,
                              TranscriptSink, WandbSink)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,79 +162,111 @@ async def run(cfg: SluiceConfig, recipe_name: str = "run",
         signals.close()
 
 
+@dataclasses.dataclass(slots=True)
+class Parts:
+    """The started pieces of a run that the controller drives."""
+
+    rollout: RolloutSide  # rollout.worker_actor.RayRollout
+    trainer: TrainerSide  # trainer.train_actor.RayTrainer
+    env_metrics: EnvMetrics
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a daemon thread: a Ctrl-C cancels the wait at once, and the process
+    can exit without waiting for it (a long warm start, say)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the waiting coroutine
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+    threading.Thread(target=target, daemon=True, name=getattr(fn, "__name__", "work")).start()
+    return await future
+
+
+async def start_parts(cfg: SluiceConfig, model_path: str) -> Parts:
+    """Join the cluster, place the pools, start engines (and the judge), the sandbox pools
+    with their agent-loop workers, and the train ranks."""
+    from envs.pool_actor import start_sandbox_pools
+    from envs.pool_metrics import PoolMetrics
+    from rollout.engine import EngineSpec
+    from rollout.engine_actor import start_engines
+    from rollout.judge_client import start_judge
+    from rollout.router import Router
+    from rollout.worker_actor import RayRollout, start_agent_workers
+    from trainer.pools import build_pools, connect_cluster
+    from trainer.train_actor import RayTrainer, TrainGroup
+    from trainer.weight_sync import build_transport, resolve_transport
+
+    connect_cluster(cfg)
+    placed = build_pools(cfg)
+    engines = await start_engines(EngineSpec.from_config(cfg, model_path),
+                                  cfg.rollout.num_engines, placed["rollout"])
+    judge_path = str(resolve_model_path(cfg.reward.judge.model_path)) if cfg.reward.judge.enabled else None
+    judge = await start_judge(cfg, judge_path or "", placed.get("judge"))
+    judge_handles = {n: c.handle for n, c in judge.engines.items()} if judge else None
+    sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
+    workers = start_agent_workers(cfg, model_path, {n: c.handle for n, c in engines.items()},
+                                  sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
+    router = Router(engines)
+    group = TrainGroup(cfg, model_path, placed["train"])
+    # cpu: rank 0 sends to the engines itself; nccl: the broadcast transport
+    transport = None if resolve_transport(cfg) == "cpu" else build_transport(cfg, sender=group)
+    rollout = RayRollout(workers, router)
+    pool_metrics = PoolMetrics()
+
+    async def env_metrics() -> dict[str, float]:
+        return {**pool_metrics.update(await sandboxes.stats()),
+                "driver/bytes_received": float(rollout.bytes_received)}
+
+    return Parts(rollout, RayTrainer(group, router, transport, verify=cfg.sync.verify_checksum),
+                 env_metrics)
+
+
 async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
                on_batch: Callable[[list, int], None] | None) -> tuple[RunSummary, Path]:
     import ray
     import yaml
     from transformers import AutoTokenizer
 
-    from envs.pool_actor import start_sandbox_pools
-    from envs.pool_metrics import PoolMetrics
     from envs.tasks import load_tasks
-    from rollout.engine import EngineSpec
-    from rollout.engine_actor import start_engines
-    from rollout.judge_client import start_judge
-    from rollout.router import Router
     from rollout.template_check import check_template
-    from rollout.worker_actor import RayRollout, start_agent_workers
     from trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
-    from trainer.pools import build_pools, connect_cluster
-    from trainer.train_actor import RayTrainer, TrainGroup
-    from trainer.weight_sync import build_transport, resolve_transport
+    from trainer.weight_sync import resolve_transport
 
     resolve_transport(cfg)
     run_dir = place.run_dir
     tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
     eval_tasks = load_tasks(cfg.eval.tasks)[:cfg.eval.num_tasks] if cfg.eval.tasks else []
-    model_path = resolve_model(cfg)
+    model_path = await in_daemon_thread(resolve_model, cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # The chat family, its parsers and keep_thinking against the model's own template,
     # before any engine starts: a mismatch would corrupt every trajectory's ids.
     check_template(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
                    tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser)
     try:
-        connect_cluster(cfg)
-        placed = build_pools(cfg)
-        engines = await start_engines(EngineSpec.from_config(cfg, model_path),
-                                      cfg.rollout.num_engines, placed["rollout"])
-        judge_path = str(resolve_model_path(cfg.reward.judge.model_path)) if cfg.reward.judge.enabled else None
-        judge = await start_judge(cfg, judge_path or "", placed.get("judge"))
-        judge_handles = {n: c.handle for n, c in judge.engines.items()} if judge else None
-        sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
-        workers = start_agent_workers(cfg, model_path, {n: c.handle for n, c in engines.items()},
-                                      sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
-        router = Router(engines)
-        group = TrainGroup(cfg, model_path, placed["train"])
-        # cpu: rank 0 sends to the engines itself; nccl: the broadcast transport
-        transport = None if resolve_transport(cfg) == "cpu" else build_transport(cfg, sender=group)
-        trainer = RayTrainer(group, router, transport, verify=cfg.sync.verify_checksum)
-        rollout = RayRollout(workers, router)
-        pool_metrics = PoolMetrics()
-
-        async def env_metrics() -> dict[str, float]:
-            return {**pool_metrics.update(await sandboxes.stats()),
-                    "driver/bytes_received": float(rollout.bytes_received)}
-
+        parts = await start_parts(cfg, model_path)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
-        controller = Controller(cfg, tasks=tasks, rollout=rollout, trainer=trainer,
-                                logger=MetricsLogger([]), eval_tasks=eval_tasks,
-                                events=EventSink(run_dir / "events.jsonl",
-                                                 cfg.logging.max_turn_events_per_step),
-                                env_metrics=env_metrics,
-                                transcripts=TranscriptSink(
-                                    run_dir / "transcripts.jsonl",
-                                    lambda ids: tokenizer.decode(ids),
-                                    cfg.logging.num_transcripts_per_step))
+        controller = Controller(
+            cfg, tasks=tasks, rollout=parts.rollout, trainer=parts.trainer,
+            logger=MetricsLogger([]), eval_tasks=eval_tasks, env_metrics=parts.env_metrics,
+            events=EventSink(run_dir / "events.jsonl", cfg.logging.max_turn_events_per_step),
+            transcripts=TranscriptSink(run_dir / "transcripts.jsonl", tokenizer.decode,
+                                       cfg.logging.num_transcripts_per_step))
         if place.resume_from is not None:
-            state = await asyncio.to_thread(load_checkpoint, place.resume_from, trainer)
+            state = await asyncio.to_thread(load_checkpoint, place.resume_from, parts.trainer)
             controller.restore(state.controller)
-            await trainer.prepare_weights(controller.version)
-            await trainer.push_weights(controller.version)
+            await parts.trainer.prepare_weights(controller.version)
+            await parts.trainer.push_weights(controller.version)
             log.info("resumed %s at step %d", place.resume_from, controller.version)
         controller.logger = MetricsLogger(build_sinks(
             cfg, run_dir, controller.version if place.resume_from else None))
-        checkpoints = run_dir / "checkpoints"
         saved: set[int] = set()
 
         async def save() -> None:
@@ -241,8 +277,8 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
             except RuntimeError as exc:  # stopped inside a step: the last checkpoint stands
                 log.error("no checkpoint at step %d: %s", controller.version, exc)
                 return
-            await asyncio.to_thread(save_checkpoint, checkpoints, trainer, state,
-                                    cfg.checkpoint.keep_last, model_path)
+            await asyncio.to_thread(save_checkpoint, run_dir / "checkpoints", parts.trainer,
+                                    state, cfg.checkpoint.keep_last, model_path)
             saved.add(controller.version)
 
         async def on_step(step: int) -> None:
