@@ -1,6 +1,6 @@
 """Virtual-clock simulator: `python -m launch.simulate recipe=NAME.yaml [section.key=value ...]
 --mode sync|async [--steps N] [--tail none|seed] [--sandboxes stateful|releasable]
-[--token-unit N] [--seed N] [--json] [--trace FILE]`.
+[--token-unit N] [--seed N] [--double-in-flight] [--json] [--trace FILE]`.
 
 Runs the real `Controller` and `ReplayBuffer` (admission bound, staleness, accounting),
 the real `Router` (sticky, least-loaded first turn) and `TurnGate` (pushes at turn
@@ -49,6 +49,7 @@ class SimOptions:
     restore_s: float = 0.5  # snapshot restore per grant of a releasable sandbox
     push_bytes_per_s: float = 50e9  # weight push bandwidth (NCCL broadcast)
     push_latency_s: float = 1.0  # pause, checksum, resume
+    double_in_flight: bool = False  # CLI: also run with twice the trajectories in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,15 +230,41 @@ def format_report(cfg: SluiceConfig, r: SimReport) -> str:
     return "\n".join(lines)
 
 
+def double_in_flight(cfg: SluiceConfig) -> SluiceConfig:
+    """The seed's practice experiment: twice the trajectories in flight on the same GPUs
+    (twice the groups per step, and sandboxes for them so they are not the limit)."""
+    t, e = cfg.train, cfg.envs
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(t, groups_per_step=2 * t.groups_per_step),
+        envs=dataclasses.replace(e, sandboxes_per_worker=2 * e.sandboxes_per_worker))
+
+
+def format_in_flight(base: SimReport, doubled: SimReport) -> str:
+    """Hit rate and prefill per trajectory, at the recipe's in-flight count and at twice it."""
+    rows = [f"  {'':<34}{'as configured':>16}{'2x in flight':>16}",
+            f"  {'prefix-cache hit rate':<34}{base.prefix_cache_hit_rate:>16.1%}"
+            f"{doubled.prefix_cache_hit_rate:>16.1%}"]
+    per_traj = [r.prefill_s_per_step * r.steps / max(r.trajectories_trained, 1)
+                for r in (base, doubled)]
+    rows.append(f"  {'prefill s per trajectory (engine)':<34}{per_traj[0]:>16.3f}{per_traj[1]:>16.3f}")
+    rows.append(f"  {'prefill s per step':<34}{base.prefill_s_per_step:>16,.0f}"
+                f"{doubled.prefill_s_per_step:>16,.0f}")
+    rows.append(f"  {'step wall clock (s)':<34}{base.mean_step_s:>16,.0f}{doubled.mean_step_s:>16,.0f}")
+    return "doubling the trajectories in flight (the seed's practice experiment)\n" + "\n".join(rows)
+
+
 def parse_argv(argv: list[str]) -> tuple[str | None, list[str], SimOptions, bool, str | None]:
     """(recipe, overrides, options, as_json, trace path); flags take `--flag value`."""
     recipe, overrides, values, as_json, trace = None, [], {}, False, None
+    doubled = False
     names = {"--mode": "mode", "--steps": "steps", "--tail": "tail", "--sandboxes": "sandboxes",
              "--token-unit": "token_unit", "--seed": "seed"}
     it = iter(argv)
     for arg in it:
         if arg == "--json":
             as_json = True
+        elif arg == "--double-in-flight":
+            doubled = True
         elif arg in names or arg == "--trace":
             value = next(it, None)
             if value is None:
@@ -253,7 +280,8 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], SimOptions, bool
         else:
             overrides.append(arg)
     types = {f.name: f.type for f in dataclasses.fields(SimOptions)}
-    opts = SimOptions(**{k: int(v) if types[k] == "int" else v for k, v in values.items()})
+    opts = SimOptions(**{k: int(v) if types[k] == "int" else v for k, v in values.items()},
+                      double_in_flight=doubled)
     if opts.mode not in ("sync", "async") or opts.sandboxes not in ("stateful", "releasable"):
         raise ValueError("--mode is sync or async; --sandboxes is stateful or releasable")
     if opts.steps < 1 or opts.token_unit < 1:
@@ -276,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     report, events = run_simulation(cfg, opts)
+    if opts.double_in_flight:
+        doubled, _ = run_simulation(double_in_flight(cfg), opts)
+        print(json.dumps({"as_configured": dataclasses.asdict(report),
+                          "doubled": dataclasses.asdict(doubled)}, indent=2) if as_json
+              else format_in_flight(report, doubled))
+        return 0
     if trace:
         Path(trace).write_text("".join(json.dumps(e) + "\n" for e in events))
     print(json.dumps(dataclasses.asdict(report), indent=2) if as_json else format_report(cfg, report))

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from launch.plan import build_plan, compute_account, compute_train_s
-from launch.simulate import SimOptions, main, run_simulation
+from launch.simulate import SimOptions, double_in_flight, main, run_simulation
 from trainer.recipe import load_config
 
 pytest.importorskip("looptime")
@@ -107,3 +107,18 @@ def test_cli_prints_the_comparison_and_writes_a_trace(tmp_path, capsys):
     assert len(trace.read_text().splitlines()) == 32 * 5
     assert main(["recipe=swe_grpo.yaml", *SMALL, "--mode", "later"]) == 2
     assert "--mode is sync or async" in capsys.readouterr().err
+
+
+def test_doubling_the_trajectories_in_flight_lowers_the_hit_rate(capsys):
+    # The seed's experiment: 6 GB of KV per engine holds ~9 whole trajectories; 16 per
+    # engine in flight already evict some, 32 evict most.
+    cfg = _cfg(mode="async", steps=2, extra=("plan.kv_pool_gb_per_gpu=6",))
+    base, _ = run_simulation(cfg, SimOptions())
+    doubled, _ = run_simulation(double_in_flight(cfg), SimOptions())
+    assert doubled.trajectories_trained == 2 * base.trajectories_trained
+    assert doubled.prefix_cache_hit_rate < base.prefix_cache_hit_rate
+    per_traj = [r.prefill_s_per_step / r.trajectories_trained for r in (base, doubled)]
+    assert per_traj[1] > per_traj[0]
+    assert main(["recipe=swe_grpo.yaml", *SMALL, "plan.kv_pool_gb_per_gpu=6", "--steps", "1",
+                 "--double-in-flight"]) == 0
+    assert "2x in flight" in capsys.readouterr().out
