@@ -12,10 +12,11 @@ export WANDB_MODE ?= offline
 setup:
 	SLUICE_VENV=$(VENV) scripts/setup.sh
 
-# Ends with the run report (launch.report): one offline HTML page of the run just written.
+# Ends with the run report (launch.report): one offline HTML page of the run just written,
+# its figures also logged into the run's wandb run (offline unless the recipe says otherwise).
 quickstart: setup
 	$(PY) -m trainer.main recipe=quickstart.yaml
-	$(PY) -m launch.report --latest runs
+	$(PY) -m launch.report --latest runs --wandb
 
 test: setup
 	$(PY) -m pytest tests/unit tests/integration -q

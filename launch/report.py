@@ -276,8 +276,8 @@ def render_html(parts: Sequence[Part], title: str) -> str:
     """The page: plotly's JS once, inline, then each part."""
     from plotly.offline import get_plotlyjs
 
-    nav = " ".join(f'<a href="#{p.key}">{html.escape(p.title)}</a>'
-                   for part in parts for p in part.panels)
+    nav = "<br>".join(f"<b>{html.escape(part.title)}:</b> " + " ".join(
+        f'<a href="#{p.key}">{html.escape(p.title)}</a>' for p in part.panels) for part in parts)
     body = "\n".join(_part_html(p) for p in parts)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'
             f"{html.escape(title)}</title><style>{CSS}</style>\n"
@@ -345,6 +345,32 @@ def log_report_to_wandb(run_dir: Path, wandb_run: Any, trace: Path | None = None
     return sorted(logged)
 
 
+def log_report_to_run_wandb(run_dir: Path, trace: Path | None = None,
+                            options: ReportOptions = ReportOptions()) -> str:
+    """Log the report into the run's own wandb run (resumed by the id the run wrote to
+    RUN_DIR/wandb_run_id, in the run's logging.wandb_mode), one step after its last;
+    returns what was done, for the console."""
+    run = load_run(run_dir)
+    mode = _get(run.config, "logging.wandb_mode")
+    id_file = Path(run_dir) / "wandb_run_id"
+    if mode in (None, "disabled") or not id_file.is_file():
+        return f"wandb: not logged (the run had logging.wandb_mode={mode}, no {id_file.name})"
+    import wandb
+
+    steps = [int(r["step"]) for r in run.metrics]
+    wandb_run = wandb.init(project=_get(run.config, "logging.project") or "sluice",
+                           name=Path(run_dir).name, dir=str(run_dir), mode=mode,
+                           id=id_file.read_text().strip(), resume="allow",
+                           reinit="finish_previous")
+    try:
+        # after the run's last step: wandb drops rows whose step goes backwards
+        keys = log_report_to_wandb(run_dir, wandb_run, trace, options,
+                                   step=max(steps, default=0) + 1)
+    finally:
+        wandb_run.finish()
+    return f"wandb: {len(keys)} report/* figures and tables logged ({mode}, run {wandb_run.id})"
+
+
 # --- command line --------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -361,6 +387,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="turns drawn in a timeline (the latest steps that fit)")
     parser.add_argument("--slowest", type=int, default=SLOWEST_PER_STEP,
                         help="slowest trajectories outlined per step")
+    parser.add_argument("--wandb", action="store_true", help="also log the figures and tables "
+                        "into the run's wandb run (when the run had wandb on)")
     return parser.parse_args(argv)
 
 
@@ -384,6 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"report:      {path} ({path.stat().st_size / 1e6:.1f} MB, "
           f"{time.monotonic() - start:.1f} s)")
+    if args.wandb and run_dir is not None:
+        print(log_report_to_run_wandb(run_dir, args.trace,
+                                      ReportOptions(args.max_timeline_turns, args.slowest)))
     return 0
 
 

@@ -314,8 +314,9 @@ def load_trace(path: Path) -> RunData:
     problems: list[str] = []
     events = read_events(path, problems)
     if not len(events):
-        raise ValueError(f"--trace {path}: no turn, push or step events in it; "
-                         f"is it a trace? ({'; '.join(problems[:3]) or 'empty file'})")
+        raise ValueError(f"--trace {path}: no turn, push or step events in it "
+                         f"({'; '.join(problems[:3]) or 'empty file'}); a trace uses the schema "
+                         "of events.jsonl (trainer.metrics.EventSink, this module's docstring)")
     return RunData(path.stem, path, {}, [], events, problems, {path.name: path.stat().st_size})
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 QUEUE_COLOR, TOOL_COLOR, ERROR_COLOR, PUSH_COLOR = "#b8b8b8", "#f28e2b", "#d62728", "#e0245e"
 MAX_BOXES = 20  # per-task / per-tool panels show the busiest this many
+VERSION_SCALE = "Viridis"
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +164,15 @@ def _push_marks(events: Events, origin: float, top: float) -> tuple[list[dict[st
 
 
 def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int]) -> list[Any]:
+    """The queue / generate / tool bars, and an empty trace that carries the version
+    colour bar. Versions are mapped to colours here: plotly's bars accept numbers with a
+    colour scale but warn per bar in the browser console."""
     import plotly.graph_objects as go
+    from plotly.colors import sample_colorscale
 
+    low, high = min(versions), max(max(versions), min(versions) + 1)
+    palette = dict(zip(range(low, high + 1),
+                       sample_colorscale(VERSION_SCALE, [i / (high - low) for i in range(high - low + 1)])))
     names = {"queue": "queue (turn gate, sandbox)", "generate": "generate (colour: policy version)",
              "tool": "tool (red: with errors)"}
     traces = []
@@ -172,15 +180,15 @@ def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int])
         col = parts[kind]
         if not col["x"]:
             continue
-        marker: dict[str, Any] = dict(line=dict(width=col["line"], color="#111"))
-        if kind == "generate":
-            marker.update(color=col["color"], colorscale="Viridis", cmin=min(versions),
-                          cmax=max(max(versions), min(versions) + 1),
-                          colorbar=dict(title="policy<br>version", len=0.6, y=0.4))
-        else:
-            marker.update(color=col["color"] if kind == "tool" else QUEUE_COLOR)
+        color = ([palette.get(v, QUEUE_COLOR) for v in col["color"]] if kind == "generate"
+                 else col["color"] if kind == "tool" else QUEUE_COLOR)
         traces.append(go.Bar(orientation="h", base=col["base"], x=col["x"], y=col["y"], width=0.8,
-                             name=name, marker=marker, hovertext=col["text"], hoverinfo="text"))
+                             name=name, marker=dict(color=color, line=dict(width=col["line"], color="#111")),
+                             hovertext=col["text"], hoverinfo="text"))
+    traces.append(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
+                             marker=dict(colorscale=VERSION_SCALE, cmin=low, cmax=high, color=[low],
+                                         showscale=True, colorbar=dict(title="policy<br>version",
+                                                                       len=0.6, y=0.4))))
     return traces
 
 
@@ -235,7 +243,7 @@ def build_exec_histogram(series: Series) -> Panel | None:
 
     prefix = "env/exec_s_hist/le_"
     buckets = {k.removeprefix(prefix): sum(v) for k, (_, v) in series.items() if k.startswith(prefix)}
-    if not buckets:
+    if not sum(buckets.values()):  # no bucket, or a run whose sandboxes ran nothing
         return None
     order = sorted(buckets, key=lambda b: math.inf if b == "inf" else float(b))
     finite = [b for b in order if b != "inf"]
@@ -283,7 +291,7 @@ def build_tool_time_by_task(events: Events) -> Panel | None:
     """Tool time per turn (turns that called a tool) for the busiest tasks."""
     groups: dict[str, list[float]] = defaultdict(list)
     for u in events.turns:
-        if u.tool_calls:
+        if u.tool_calls and u.tool_s > 0:  # calls that ran (not refused by the parser)
             groups[u.task].append(u.tool_s)
     if not groups:
         return None
@@ -299,7 +307,7 @@ def build_tool_time_by_tool(events: Events) -> Panel | None:
     events carry no tool names."""
     groups: dict[str, list[float]] = defaultdict(list)
     for u in events.turns:
-        if u.tool_calls:
+        if u.tool_calls and u.tool_s > 0:  # calls that ran (not refused by the parser)
             groups["+".join(sorted(set(u.tools))) if u.tools else "all tools"].append(u.tool_s)
     if not groups:
         return None
@@ -368,9 +376,11 @@ def build_lines(series: Series, key: str, title: str, keys: Sequence[str], capti
     axes: dict[str, Any] = dict(xaxis=_step_axis(all_steps), yaxis=dict(title=y_title))
     if y_range is not None:
         axes["yaxis"]["range"] = list(y_range)
-    if any(k in bar_keys for k in present):
+    counts = [v for k in present if k in bar_keys for v in series[k][1]]
+    if counts:
+        top = max(max(counts), 1.0)  # whole-number ticks, also when nothing was dropped
         axes["yaxis2"] = dict(title=bar_title, overlaying="y", side="right", showgrid=False,
-                              rangemode="tozero", tickformat=",d")
+                              range=[0, top * 1.1], dtick=max(1, math.ceil(top / 5)))
     return Panel(key, title, _layout(fig, title, **axes), caption)
 
 

@@ -10,7 +10,7 @@ import random
 import shutil
 from pathlib import Path
 
-RECORDED_RUN = Path(__file__).resolve().parent / "fixtures" / "report" / "quickstart-recorded"
+RECORDED_RUN = Path(__file__).resolve().parent / "fixtures" / "report" / "quickstart-20261201-095312"
 
 
 def copy_recorded_run(into: Path) -> Path:

@@ -227,3 +227,13 @@ def test_length_buckets_are_the_replay_buffers():
 
     for n in (0, 255, 256, 1023, 1024, 4096, 16383, 65535, 65536, 10**6):
         assert length_bucket(n) == _length_bucket(n)
+
+
+def test_wandb_logging_is_skipped_with_a_reason_when_the_run_had_it_off(tmp_path):
+    from launch.report import log_report_to_run_wandb
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write_lines(folder / "metrics.jsonl", [{"step": 1, "reward/mean": 0.5}])
+    (folder / "config.yaml").write_text("logging: {wandb_mode: disabled}\n")
+    assert "not logged (the run had logging.wandb_mode=disabled" in log_report_to_run_wandb(folder)
