@@ -187,8 +187,9 @@ def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int])
                              hovertext=col["text"], hoverinfo="text"))
     traces.append(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
                              marker=dict(colorscale=VERSION_SCALE, cmin=low, cmax=high, color=[low],
-                                         showscale=True, colorbar=dict(title="policy<br>version",
-                                                                       len=0.6, y=0.4))))
+                                         showscale=True, colorbar=dict(
+                                             title="policy<br>version", len=0.6, y=0.4,
+                                             dtick=max(1, math.ceil((high - low) / 8))))))
     return traces
 
 
@@ -215,14 +216,22 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
                  + [s.t0 for s in events.steps])
     versions = [u.version for u in turns if u.version is not None] or [0]
     lanes = sum(n for _, _, n in rows.bands)
-    shapes, marks = _push_marks(events, origin, lanes + 0.5)
+    # x stays seconds since the run's first event; a window shows its steps' pushes and
+    # those that fell while its trajectories ran
+    start, end = min(s.t0 for s in spans), max(s.t1 for s in spans)
+    shown = Events(pushes=[p for p in events.pushes
+                           if p.step in keep or start <= p.t0 + p.prepare_s <= end])
+    end = max([end] + [p.t0 + p.prepare_s + p.gates_closed_s for p in shown.pushes])
+    pad = 0.02 * (end - start) + 0.1
+    shapes, marks = _push_marks(shown, origin, lanes + 0.5)
     shapes += [dict(type="line", x0=0, x1=1, xref="paper", y0=first - 0.5, y1=first - 0.5,
                     line=dict(color="#444", width=1)) for _, first, _ in rows.bands[1:]]
     fig = go.Figure(_bar_traces(_segments(turns, rows.lane_of, origin, slow), versions) + marks)
     label = "engine" if by == "engine" else "sandbox"
     _layout(fig, f"Trajectory timeline by {label}", height=int(min(max(140 + 12 * lanes, 420), 1600)),
             barmode="overlay", bargap=0.1, shapes=shapes,
-            xaxis=dict(title="seconds since the first event", zeroline=False),
+            xaxis=dict(title="seconds since the run's first event", zeroline=False,
+                       range=[start - origin - pad, end - origin + pad]),
             yaxis=dict(tickvals=[first + (n - 1) / 2 for _, first, n in rows.bands],
                        ticktext=[name for name, _, _ in rows.bands], title=label,
                        range=[-0.6, lanes + 1], zeroline=False, showgrid=False))

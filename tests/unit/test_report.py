@@ -237,3 +237,16 @@ def test_wandb_logging_is_skipped_with_a_reason_when_the_run_had_it_off(tmp_path
     write_lines(folder / "metrics.jsonl", [{"step": 1, "reward/mean": 0.5}])
     (folder / "config.yaml").write_text("logging: {wandb_mode: disabled}\n")
     assert "not logged (the run had logging.wandb_mode=disabled" in log_report_to_run_wandb(folder)
+
+
+def test_a_timeline_window_draws_only_its_own_pushes(tmp_path):
+    from launch.report_figures import build_timeline
+
+    events = load_trace(write_trace(tmp_path / "sim.jsonl")).events
+    last = sum(1 for u in events.turns if u.step == 4)
+    whole = build_timeline(events).figure
+    window = build_timeline(events, max_turns=last).figure
+    pushes = [t for t in window.data if t.name == "weight push"][0]
+    assert len([t for t in whole.data if t.name == "weight push"][0].x) == 4
+    assert 1 <= len(pushes.x) < 4  # the push after step 4 (and maybe step 3's, at its start)
+    assert min(window.layout.xaxis.range) > 0  # zoomed onto step 4, times still from the run start
