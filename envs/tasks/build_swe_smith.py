@@ -1,0 +1,297 @@
+"""Build SWE-smith-style tasks offline from an installed open-source Python project.
+
+    python -m envs.tasks.build_swe_smith OUT_DIR [--project hjson] [--max-tasks 20]
+
+SWE-smith's recipe, on a project's released sources and tests as installed here: copy the
+package, inject a bug into one function (a procedural mutation: an operator swapped, an
+`if` inverted, an assignment removed, a constant shifted), run the project's own tests,
+and keep the mutation when some tests that pass on the original now fail: those are
+FAIL_TO_PASS, the ones passing on both are PASS_TO_PASS. The gold `patch` is the diff
+that undoes the bug.
+
+Output (the published SWE-smith row format, plus `repo_dir`, since the repository lives
+on this machine rather than in an image):
+
+    OUT_DIR/tasks.jsonl          one row per task: instance_id, repo, base_commit, patch,
+                                 FAIL_TO_PASS, PASS_TO_PASS, problem_statement, image_name
+                                 (null: local sandbox), test_patch "" (tests are in the repo)
+    OUT_DIR/repos/<owner>__<name>  a git repository: the pristine release as one commit and
+                                 one commit per bug on top of it (each task's base_commit);
+                                 envs.tasks.swe exports a task's commit alone, so no agent
+                                 sees the pristine tree.
+
+The tasks run on the local sandbox backend (source_dir workspaces); per-task container
+images are not built yet. Discovery runs the tests on this host with the interpreter given (the
+builder's code is trusted: the bugs are ours), grading later goes through the hardened
+path (`python -m reward.validate OUT_DIR/tasks.jsonl`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Project:
+    """An installed package whose released sources ship their tests."""
+
+    repo: str  # upstream owner/name, as SWE-smith's `repo` field
+    package: str  # the importable package, copied from where it is installed
+    tests: str  # the test folder, relative to the repository root
+    modules: tuple[str, ...]  # source files bugs are injected into
+    drop: tuple[str, ...] = ()  # files removed from the copy (tests needing unshipped assets)
+
+
+PROJECTS = {
+    "hjson": Project(repo="hjson/hjson-py", package="hjson", tests="hjson/tests",
+                     modules=("hjson/decoder.py", "hjson/encoder.py", "hjson/scanner.py",
+                              "hjson/encoderH.py"),
+                     drop=("hjson/tests/test_hjson.py",)),  # reads assets the wheel omits
+}
+IDENTITY = {"GIT_AUTHOR_NAME": "sluice", "GIT_AUTHOR_EMAIL": "sluice@localhost",
+            "GIT_COMMITTER_NAME": "sluice", "GIT_COMMITTER_EMAIL": "sluice@localhost",
+            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
+            "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000"}
+RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Bug:
+    """One injected bug: where, what kind, and the file's buggy text."""
+
+    module: str
+    function: str
+    kind: str
+    buggy_text: str
+
+
+# --- mutations: each takes a function's AST and changes one node in place (True if done)
+
+_OP_SWAPS: dict[type, type] = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Lt: ast.LtE,
+                               ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+                               ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Is: ast.IsNot,
+                               ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
+                               ast.And: ast.Or, ast.Or: ast.And}
+
+
+def _op_swap(fn: ast.AST, rng: random.Random) -> bool:
+    nodes = [n for n in ast.walk(fn) if isinstance(n, (ast.Compare, ast.BinOp, ast.BoolOp))
+             and type(n.ops[0] if isinstance(n, ast.Compare) else n.op) in _OP_SWAPS]
+    if not nodes:
+        return False
+    node = rng.choice(nodes)
+    if isinstance(node, ast.Compare):
+        node.ops[0] = _OP_SWAPS[type(node.ops[0])]()
+    else:
+        node.op = _OP_SWAPS[type(node.op)]()
+    return True
+
+
+def _invert_if(fn: ast.AST, rng: random.Random) -> bool:
+    nodes = [n for n in ast.walk(fn) if isinstance(n, ast.If)]
+    if not nodes:
+        return False
+    node = rng.choice(nodes)
+    node.test = ast.UnaryOp(op=ast.Not(), operand=node.test)
+    return True
+
+
+def _remove_assign(fn: ast.AST, rng: random.Random) -> bool:
+    bodies = [n.body for n in ast.walk(fn) if isinstance(getattr(n, "body", None), list)]
+    spots = [(body, i) for body in bodies for i, stmt in enumerate(body)
+             if isinstance(stmt, (ast.Assign, ast.AugAssign)) and len(body) > 1]
+    if not spots:
+        return False
+    body, i = rng.choice(spots)
+    del body[i]
+    return True
+
+
+def _shift_constant(fn: ast.AST, rng: random.Random) -> bool:
+    nodes = [n for n in ast.walk(fn) if isinstance(n, ast.Constant) and type(n.value) is int
+             and 0 <= n.value <= 16]
+    if not nodes:
+        return False
+    rng.choice(nodes).value += 1
+    return True
+
+
+MUTATIONS: dict[str, Callable[[ast.AST, random.Random], bool]] = {
+    "op_swap": _op_swap, "invert_if": _invert_if, "remove_assign": _remove_assign,
+    "shift_constant": _shift_constant}
+
+
+def candidate_bugs(root: str, project: Project, seed: int) -> Iterator[Bug]:
+    """Mutations of the project's functions, in a seeded order; each rewrites one function
+    and leaves the rest of its file byte-identical (a small gold patch)."""
+    rng = random.Random(seed)
+    spots = []
+    for module in project.modules:
+        text = open(os.path.join(root, module), encoding="utf-8").read()
+        tree = ast.parse(text)
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and not fn.decorator_list:
+                spots.extend((module, text, fn, kind) for kind in MUTATIONS)
+    rng.shuffle(spots)
+    for module, text, fn, kind in spots:
+        mutated = copy.deepcopy(fn)
+        if not MUTATIONS[kind](mutated, rng):
+            continue
+        lines = text.splitlines(keepends=True)
+        indent = " " * fn.col_offset
+        body = "".join(indent + line + "\n" if line else "\n"
+                       for line in ast.unparse(mutated).splitlines())
+        assert fn.end_lineno is not None
+        buggy = "".join(lines[:fn.lineno - 1]) + body + "".join(lines[fn.end_lineno:])
+        yield Bug(module, fn.name, kind, buggy)
+
+
+def run_tests(root: str, project: Project, python: str, timeout_s: float = 120.0,
+              ) -> dict[str, bool] | None:
+    """Test id -> passed, from the project's suite run in `root`; None if the run did not
+    complete (a collection error or a crash: such a mutation is discarded)."""
+    try:
+        proc = subprocess.run([python, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                               "-o", "addopts=", project.tests], cwd=root, capture_output=True,
+                              text=True, timeout=timeout_s,
+                              env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    except subprocess.TimeoutExpired:  # subprocess.run killed it
+        return None
+    if proc.returncode not in (0, 1):
+        return None
+    results = {}
+    for line in proc.stdout.splitlines():
+        match = RESULT_LINE.match(line)
+        if match:
+            results[match.group(2)] = match.group(1) in ("PASSED", "XFAIL")
+    return results
+
+
+def _git(repo: str, *args: str) -> str:
+    env = {"PATH": "/usr/bin:/bin", "HOME": repo, "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_CONFIG_GLOBAL": os.devnull, **IDENTITY}
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def copy_release(project: Project, dest: str) -> None:
+    """The installed package (its released sources and tests) at dest/<package>."""
+    module = __import__(project.package)
+    src = os.path.dirname(os.path.abspath(module.__file__ or ""))
+    shutil.copytree(src, os.path.join(dest, project.package),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for rel in project.drop:
+        os.unlink(os.path.join(dest, rel))
+
+
+def problem_statement(bug: Bug, fail_to_pass: list[str]) -> str:
+    shown = ", ".join(f"`{t}`" for t in fail_to_pass[:3])
+    more = f" and {len(fail_to_pass) - 3} more" if len(fail_to_pass) > 3 else ""
+    return (f"`{bug.function}` in `{bug.module}` no longer behaves as documented. Tests that "
+            f"used to pass now fail: {shown}{more}. Find and fix the bug in the library code.")
+
+
+def build_tasks(out_dir: str, project_name: str = "hjson", max_tasks: int = 20,
+                max_tries: int = 80, seed: int = 0, python: str = sys.executable) -> list[dict]:
+    """Build up to `max_tasks` tasks into out_dir (see the module docstring); the rows."""
+    project = PROJECTS[project_name]
+    repo = os.path.join(out_dir, "repos", project.repo.replace("/", "__"))
+    if os.path.exists(repo):
+        raise ValueError(f"{repo} exists; pass an empty OUT_DIR (the builder never merges)")
+    os.makedirs(repo)
+    copy_release(project, repo)
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "release")
+    pristine = _git(repo, "rev-parse", "HEAD").strip()
+    start = time.monotonic()
+    baseline = run_tests(repo, project, python)
+    # A mutation can loop forever (an inverted loop exit): a few baselines' time is enough.
+    budget_s = max(10.0, 4 * (time.monotonic() - start))
+    if not baseline:
+        raise ValueError(f"the {project_name} test suite does not run here with {python}")
+    passing = {t for t, ok in baseline.items() if ok}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="sluice-smith-") as scratch:
+        tree = os.path.join(scratch, "tree")
+        shutil.copytree(repo, tree, ignore=shutil.ignore_patterns(".git"))
+        for tries, bug in enumerate(candidate_bugs(repo, project, seed), 1):
+            if len(rows) >= max_tasks or tries > max_tries:
+                break
+            start = time.monotonic()
+            target = os.path.join(tree, bug.module)
+            original = open(target, encoding="utf-8").read()
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(bug.buggy_text)
+            try:
+                results = run_tests(tree, project, python, budget_s)
+            finally:
+                with open(target, "w", encoding="utf-8") as f:
+                    f.write(original)
+            if results is None:
+                continue
+            f2p = sorted(t for t in passing if results.get(t) is False)
+            p2p = sorted(t for t in passing if results.get(t) is True)
+            if not f2p:
+                continue
+            rows.append(_commit_task(repo, pristine, project, bug, f2p, p2p, len(rows)))
+            log.info("task %d: %s.%s %s: %d F2P, %d P2P (%.1fs)", len(rows), bug.module,
+                     bug.function, bug.kind, len(f2p), len(p2p), time.monotonic() - start)
+    _git(repo, "checkout", "-q", pristine)  # the work tree shows no task's bug
+    with open(os.path.join(out_dir, "tasks.jsonl"), "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def _commit_task(repo: str, pristine: str, project: Project, bug: Bug, f2p: list[str],
+                 p2p: list[str], index: int) -> dict:
+    _git(repo, "checkout", "-q", "--detach", pristine)
+    with open(os.path.join(repo, bug.module), "w", encoding="utf-8") as f:
+        f.write(bug.buggy_text)
+    _git(repo, "commit", "-q", "-am", f"inject {bug.kind} into {bug.function}")
+    commit = _git(repo, "rev-parse", "HEAD").strip()
+    gold = _git(repo, "diff", commit, pristine)
+    name = project.repo.replace("/", "__")
+    instance_id = f"{name}.{bug.kind}__{index:03d}"
+    _git(repo, "tag", instance_id)  # keeps the commit reachable (SWE-smith: a branch per bug)
+    return {"instance_id": instance_id, "repo": project.repo, "base_commit": commit,
+            "patch": gold, "test_patch": "", "FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p,
+            "problem_statement": problem_statement(bug, f2p), "image_name": None,
+            "bug_kind": bug.kind, "bug_location": f"{bug.module}::{bug.function}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--project", default="hjson", choices=sorted(PROJECTS))
+    parser.add_argument("--max-tasks", type=int, default=20)
+    parser.add_argument("--max-tries", type=int, default=80)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    start = time.monotonic()
+    rows = build_tasks(args.out_dir, args.project, args.max_tasks, args.max_tries, args.seed)
+    print(f"{len(rows)} tasks in {os.path.join(args.out_dir, 'tasks.jsonl')} "
+          f"({time.monotonic() - start:.0f}s)")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
