@@ -1,6 +1,6 @@
 """The example package of docs/custom_agent.md (examples/my_agent): its recipe passes the
 checks before start, and its tool, reward function and agent loop do what the guide says.
-(The whole run is tests/integration/test_example_my_agent.py.)"""
+(The whole run is tests/integration/test_example_my_agent_run.py.)"""
 
 from __future__ import annotations
 
