@@ -114,3 +114,10 @@ def test_local_row_without_test_patch_must_say_so(repo: tuple[Path, str]) -> Non
     row["test_patch"] = ""  # the repository's own tests grade it (SWE-smith style)
     [task] = load_tasks(write_jsonl(folder / "b.jsonl", [row]), cache_dir=str(folder / "c"))
     assert task.test_patch is None
+
+
+def test_documented_example_rows_load() -> None:
+    example = Path(__file__).parents[2] / "docs" / "examples" / "swe_rows.jsonl"
+    smith, r2e = load_tasks(str(example))
+    assert smith.image and smith.test_patch is None and smith.pass_to_pass
+    assert r2e.id == r2e.image == "r2e.demo_calc:5e6f7a8b" and r2e.test_patch
