@@ -101,3 +101,10 @@ def test_every_module_opens_with_a_docstring():
 if __name__ == "__main__":  # the import graph, for the README and review: python tests/unit/test_layering.py
     for pkg, deps in sorted(package_graph().items(), key=lambda kv: RANK[kv[0]]):
         print(f"{pkg:8s} -> {', '.join(sorted(deps, key=RANK.get)) or '(nothing)'}")
+
+
+def test_test_modules_have_unique_names():
+    # `make test` collects tests/unit and tests/integration in one pytest run, which
+    # imports test modules by file name: two with one name fail the whole collection.
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
