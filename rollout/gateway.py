@@ -24,8 +24,9 @@ the router and the turn gate (the agent-loop worker's), so a weight push still l
 between turns. fastapi and uvicorn are imported only when the app is built.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations
+# (`request: Request`, imported inside build_app) as objects, not as strings it would
+# have to resolve in this module's globals.
 import asyncio
 import json
 import logging

@@ -64,6 +64,11 @@ class GatewayAgentLoop:
         self._starting = asyncio.Lock()
         self._segments: OrderedDict[tuple[str, int], list[Trajectory]] = OrderedDict()
 
+    @property
+    def server(self) -> GatewayServer | None:
+        """This worker's gateway server, once a run has started it."""
+        return self._server
+
     async def run_harness(self, task: Task, endpoint: HarnessEndpoint, ctx: "AgentContext") -> TerminationReason:
         """Drive the harness until it is done; return how the session ended."""
         raise NotImplementedError("subclass GatewayAgentLoop and implement run_harness")

@@ -1,0 +1,227 @@
+"""The gateway served by uvicorn in front of the real vLLM engine (tiny model), driven by
+the official `openai` and `anthropic` clients: every prompt the engine saw is a prefix of
+its segment, the segment's logprobs and versions are the engine's, streaming and
+non-streaming agree in shape, a history rewrite makes a new segment, another session's
+token is refused, malformed bodies get the protocol's errors, and GatewayAgentLoop runs a
+harness through the real agent-loop worker.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from envs.trajectory_env import EnvBuilder
+from envs.types import Message, Task, TerminationReason
+from reward.loop import RewardLoop
+from rollout.agent_loop import LoopSettings
+from rollout.chat import build_continuity_builder
+from rollout.gate import TurnGate
+from rollout.gateway import Gateway, GatewayServer, GatewaySettings
+from rollout.gateway_loop import GatewayAgentLoop, HarnessEndpoint
+from rollout.recorder import Budgets
+from rollout.router import Router
+from rollout.worker import AgentLoopWorker
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo text.",
+                                           "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
+
+
+class RecordingEngine:
+    """The real engine, with every prompt it was sent and every output it returned kept."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.calls: list[tuple[list[int], object]] = []
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        out = await self.engine.generate(request_id, prompt_ids, sampling)
+        self.calls.append(([int(i) for i in prompt_ids], out))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    return build_continuity_builder(tokenizer, "tiny", reasoning_parser="none")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def served(engine, tokenizer, chat):
+    recording = RecordingEngine(engine)
+    gateway = Gateway(Router({"e0": recording}), TurnGate(), chat, tokenizer,
+                      GatewaySettings("tiny", Budgets(1024, 600, 24)))
+    server = GatewayServer(gateway)
+    await server.start()
+    yield server, recording
+    await server.stop()
+
+
+def assert_exact(segment, calls):
+    """Each prompt the engine saw is a prefix of the segment; its sampled ids, logprobs and
+    versions are exactly the mask-1 tokens of the segment."""
+    full = np.concatenate([segment.prompt_ids, segment.response_ids]).tolist()
+    assert calls[0][0] == segment.prompt_ids.tolist()
+    for prompt, _ in calls:
+        assert full[:len(prompt)] == prompt
+    model = segment.response_mask == 1
+    assert segment.response_ids[model].tolist() == np.concatenate([o.token_ids for _, o in calls]).tolist()
+    assert np.array_equal(segment.logprobs[model], np.concatenate([o.logprobs for _, o in calls]))
+    assert np.array_equal(segment.versions[model], np.concatenate([o.versions for _, o in calls]))
+    assert (segment.logprobs[~model] == 0).all()
+
+
+def openai_client(server, session, token=None):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=server.session_url(session) + "/v1", api_key=token or session.token,
+                              max_retries=0)
+
+
+async def test_openai_client_turns_make_one_exact_segment(served):
+    server, engine = served
+    session = server.gateway.open_session("t", "openai", 0)
+    client = openai_client(server, session)
+    messages = [SYSTEM, {"role": "user", "content": "Say hi."}]
+    first = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=16)
+    reply = first.choices[0].message
+    assert first.usage.prompt_tokens == len(engine.calls[-1][0])
+    messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+    second = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=16)
+    messages += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Once more."}]
+    # The third turn streams; the client assembles the same kind of message.
+    stream = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=16,
+                                                  stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage.completion_tokens == len(engine.calls[-1][1].token_ids)
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    calls = engine.calls[-3:]
+    (segment,) = server.gateway.close_session(session.id, TerminationReason.FINISHED)
+    assert len(segment.turns) == 3
+    assert_exact(segment, calls)
+    assert server.gateway.stats().num_reencoded_tokens == 0
+
+
+async def test_a_history_rewrite_starts_a_new_exact_segment(served):
+    server, engine = served
+    before = server.gateway.stats()
+    session = server.gateway.open_session("t", "rewrite", 0)
+    client = openai_client(server, session)
+    messages = [SYSTEM, {"role": "user", "content": "Count."}]
+    r1 = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    messages += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+    await client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    compressed = [SYSTEM, {"role": "user", "content": "Summary of the count so far. Go on."}]
+    await client.chat.completions.create(model="tiny", messages=compressed, max_tokens=12)
+    calls = engine.calls[-3:]
+    first, second = server.gateway.close_session(session.id, TerminationReason.FINISHED)
+    assert_exact(first, calls[:2])
+    assert_exact(second, calls[2:])
+    after = server.gateway.stats()
+    assert after.num_prefix_breaks - before.num_prefix_breaks == 1
+    assert after.num_reencoded_tokens - before.num_reencoded_tokens == len(second.prompt_ids)
+
+
+async def test_anthropic_client_streaming_and_not(served):
+    import anthropic
+
+    server, engine = served
+    session = server.gateway.open_session("t", "anthropic", 0)
+    client = anthropic.AsyncAnthropic(base_url=server.session_url(session), api_key=session.token, max_retries=0)
+    tools = [{"name": "echo", "description": "Echo text.", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    messages = [{"role": "user", "content": "Say hi."}]
+    first = await client.messages.create(model="tiny", system="Be brief.", max_tokens=16, tools=tools,
+                                         messages=messages)
+    assert first.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert first.usage.output_tokens == len(engine.calls[-1][1].token_ids)
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                 {"role": "user", "content": "Again."}]
+    async with client.messages.stream(model="tiny", system="Be brief.", max_tokens=16, tools=tools,
+                                      messages=messages) as stream:
+        final = await stream.get_final_message()
+    assert final.usage.output_tokens == len(engine.calls[-1][1].token_ids)
+    (segment,) = server.gateway.close_session(session.id, TerminationReason.FINISHED)
+    assert_exact(segment, engine.calls[-2:])
+
+
+async def test_tokens_and_malformed_requests_get_protocol_errors(served):
+    import anthropic
+    import openai
+
+    server, _ = served
+    mine = server.gateway.open_session("t", "auth", 0)
+    other = server.gateway.open_session("t", "auth", 1)
+    body = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    with pytest.raises(openai.PermissionDeniedError):
+        await openai_client(server, mine, token=other.token).chat.completions.create(**body)
+    with pytest.raises(openai.AuthenticationError) as bad:
+        await openai_client(server, mine, token="forged").chat.completions.create(**body)
+    assert "invalid API key" in bad.value.message
+    with pytest.raises(anthropic.PermissionDeniedError) as denied:
+        await anthropic.AsyncAnthropic(base_url=server.session_url(mine), api_key=other.token,
+                                       max_retries=0).messages.create(**body)
+    assert denied.value.body["error"]["type"] == "permission_error"
+    with pytest.raises(openai.BadRequestError) as malformed:
+        await openai_client(server, mine).chat.completions.create(model="tiny", messages=[])
+    assert "messages" in malformed.value.message
+    with pytest.raises(anthropic.BadRequestError):
+        await anthropic.AsyncAnthropic(base_url=server.session_url(mine), api_key=mine.token,
+                                       max_retries=0).messages.create(model="tiny", max_tokens=4, messages=[])
+    listed = await openai_client(server, mine).models.list()
+    assert [m.id for m in listed.data] == ["tiny"]
+    assert server.gateway.close_session(mine.id, TerminationReason.FINISHED) == []  # nothing was generated
+    server.gateway.close_session(other.id, TerminationReason.FINISHED)
+
+
+class ChattyHarness(GatewayAgentLoop):
+    """An in-process harness: two turns with the official OpenAI client, as a black box would."""
+
+    model_name = "tiny"
+
+    async def run_harness(self, task: Task, endpoint: HarnessEndpoint, ctx) -> TerminationReason:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=endpoint.openai_base_url, api_key=endpoint.api_key, max_retries=0)
+        messages = [m.to_template() for m in task.messages]
+        for follow_up in ("Go on.", None):
+            out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=12)
+            messages.append(out.choices[0].message.model_dump(exclude_none=True))
+            if follow_up:
+                messages.append({"role": "user", "content": follow_up})
+        return TerminationReason.FINISHED
+
+
+async def test_gateway_agent_loop_runs_a_harness_in_the_worker(engine, tokenizer, chat):
+    recording = RecordingEngine(engine)
+    settings = LoopSettings(budgets=Budgets(1024, 600, 24), max_turns=4, max_tool_calls_per_turn=2,
+                            tool_timeout_s=5)
+    worker = AgentLoopWorker(
+        default_loop=f"{__name__}:ChattyHarness", settings=settings, chat=chat, tokenizer=tokenizer,
+        router=Router({"e0": recording}), envs=EnvBuilder({}),
+        rewards=RewardLoop("exact_match", lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                           timeout_s=30.0, max_concurrency=4), trajectory_timeout_s=120)
+    task = Task("hi", (Message("system", "Be brief."), Message("user", "Say hi.")), answer="hi")
+    group = await worker.run_group(task, "gw", 3)
+    loop = worker.loop_for(task)
+    for t in group.trajectories:
+        assert t.termination == TerminationReason.FINISHED, t.termination_detail
+        assert len(t.turns) == 2 and t.reward is not None
+        (segment,) = loop.pop_segments("gw", t.index)
+        assert np.array_equal(segment.response_ids, t.response_ids)
+        full = np.concatenate([t.prompt_ids, t.response_ids]).tolist()
+        sent = [c for c in recording.calls if c[0] == full[:len(c[0])]]
+        assert {len(c[0]) for c in sent} >= {len(t.prompt_ids), t.turns[1].prompt_tokens}
+    assert loop.server.gateway.stats().num_prefix_breaks == 0
+    await loop.close()
