@@ -141,6 +141,10 @@ def _series_summary(run: RunData, key: str) -> str:
     values = [(int(r["step"]), r[key]) for r in run.metrics if key in r]
     if not values:
         return f"not recorded (no {key})"
+    if len(values) >= 10:  # noisy per step: means of the first and last 5, as trainer.main prints
+        head, tail = [v for _, v in values[:5]], [v for _, v in values[-5:]]
+        return (f"{sum(head) / 5:.3f} (mean of steps {values[0][0]}-{values[4][0]}) -> "
+                f"{sum(tail) / 5:.3f} (steps {values[-5][0]}-{values[-1][0]})")
     (s0, v0), (s1, v1) = values[0], values[-1]
     return f"{v0:.3f} at step {s0} -> {v1:.3f} at step {s1}" if len(values) > 1 else f"{v0:.3f}"
 

@@ -102,7 +102,8 @@ def slowest_spans(spans_by_step: dict[int, list[TrajectorySpan]], k: int) -> lis
 
 def _hover(u: TurnEvent, slow: bool) -> str:
     text = (f"<b>{u.traj}</b> turn {u.turn} (trained at step {u.step})<br>task {u.task}<br>"
-            f"engine {u.engine} · version {u.version}" + (f" · sandbox {u.sandbox}" if u.sandbox else "")
+            f"engine {u.engine} · version {u.version}"
+            + (f" · sandbox {u.sandbox}" if u.sandbox else "")
             + f"<br>queue {u.queue_s:.3g}s · generate {u.generate_s:.3g}s · tool {u.tool_s:.3g}s"
             f"<br>{u.tokens} tokens · {u.tool_calls} tool calls ({u.tool_errors} errors)")
     if u.tools:
@@ -171,8 +172,8 @@ def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int])
     from plotly.colors import sample_colorscale
 
     low, high = min(versions), max(max(versions), min(versions) + 1)
-    palette = dict(zip(range(low, high + 1),
-                       sample_colorscale(VERSION_SCALE, [i / (high - low) for i in range(high - low + 1)])))
+    shades = sample_colorscale(VERSION_SCALE, [i / (high - low) for i in range(high - low + 1)])
+    palette = dict(zip(range(low, high + 1), shades))
     names = {"queue": "queue (turn gate, sandbox)", "generate": "generate (colour: policy version)",
              "tool": "tool (red: with errors)"}
     traces = []
@@ -183,7 +184,8 @@ def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int])
         color = ([palette.get(v, QUEUE_COLOR) for v in col["color"]] if kind == "generate"
                  else col["color"] if kind == "tool" else QUEUE_COLOR)
         traces.append(go.Bar(orientation="h", base=col["base"], x=col["x"], y=col["y"], width=0.8,
-                             name=name, marker=dict(color=color, line=dict(width=col["line"], color="#111")),
+                             name=name,
+                             marker=dict(color=color, line=dict(width=col["line"], color="#111")),
                              hovertext=col["text"], hoverinfo="text"))
     traces.append(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
                              marker=dict(colorscale=VERSION_SCALE, cmin=low, cmax=high, color=[low],

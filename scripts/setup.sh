@@ -31,7 +31,7 @@ esac
 
 # Debian packages: bubblewrap isolates sandboxed commands (envs/sandbox, local backend);
 # podman and runc run the container backend (about 12 s to install); chromium renders the
-# run report in its browser test (tests/integration/test_report.py; about 50 s to install).
+# run report in its browser test (tests/integration/test_report_browser.py; ~50 s to install).
 missing=""
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
 command -v podman >/dev/null 2>&1 || missing="$missing podman"

@@ -31,7 +31,8 @@ def write_trace(path: Path, num_steps: int = 4, trajectories_per_step: int = 12,
             t = step_t0 + rng.uniform(0.0, 1.0)
             turns = rng.randint(1, 4)
             for k in range(turns):
-                generate_s, tool_s = rng.uniform(0.2, 1.5), rng.expovariate(1.0) if k < turns - 1 else 0.0
+                generate_s = rng.uniform(0.2, 1.5)
+                tool_s = rng.expovariate(1.0) if k < turns - 1 else 0.0
                 row = {"kind": "turn", "step": step, "traj": f"g{step}{i // 4}/{i % 4}",
                        "task": f"swe-{i % 5}", "turn": k, "engine": f"engine-{i % 2}",
                        "version": max(step - 1 - (k == 0 and i % 3 == 0), 0), "t0": round(t, 4),
