@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from launch.report import build_part, build_report, latest_run, main, ReportOptions
-from launch.report_data import (Events, event_series, load_run, load_trace, read_events,
-                                trajectories_by_step)
+from launch.report_data import (Events, event_series, load_run, load_trace, metric_series,
+                                read_events, trajectories_by_step)
 from launch.report_figures import pack_lanes, window_steps
 from report_inputs import write_trace
 
@@ -250,3 +250,18 @@ def test_a_timeline_window_draws_only_its_own_pushes(tmp_path):
     assert len([t for t in whole.data if t.name == "weight push"][0].x) == 4
     assert 1 <= len(pushes.x) < 4  # the push after step 4 (and maybe step 3's, at its start)
     assert min(window.layout.xaxis.range) > 0  # zoomed onto step 4, times still from the run start
+
+
+def test_the_events_of_a_recorded_run_agree_with_its_metrics():
+    """The join the timeline rests on: per step, the turn events rebuild the trained
+    trajectories' staleness, tokens and end reasons exactly as the controller logged them."""
+    from report_inputs import RECORDED_RUN
+
+    run = load_run(RECORDED_RUN)
+    assert run.problems == []
+    from_events = event_series(run.events)
+    from_metrics = {k: v for k, v in metric_series(run.metrics).items() if k in from_events}
+    keys = {"staleness/mean", "staleness/max", "rollout/tokens_generated", "end/finished"}
+    assert keys <= set(from_metrics)
+    for key in keys:
+        assert from_events[key] == from_metrics[key], key
