@@ -108,10 +108,13 @@ class _Collect:
         return None
 
 
-async def simulate(cfg: SluiceConfig, opts: SimOptions) -> tuple[SimReport, list[dict]]:
-    """One simulated run of `opts.steps` steps; the report and the per-turn trace."""
+async def simulate(cfg: SluiceConfig, opts: SimOptions,
+                   events_path: Path | None = None) -> tuple[SimReport, list[dict]]:
+    """One simulated run of `opts.steps` steps; the report and the per-turn trace. With
+    `events_path`, the controller also writes the run report's events.jsonl schema there
+    (virtual-clock timestamps), which `python -m launch.report --trace` draws."""
     from trainer.controller import Controller  # deferred: torch
-    from trainer.metrics import MetricsLogger
+    from trainer.metrics import EventSink, MetricsLogger
 
     plan = build_plan(cfg)
     p = plan.inputs
@@ -134,8 +137,12 @@ async def simulate(cfg: SluiceConfig, opts: SimOptions) -> tuple[SimReport, list
     tasks = [Task(id=f"task{i}", messages=(Message(role="user", content=f"task {i}"),))
              for i in range(cfg.train.groups_per_step * 4)]
     sink = _Collect()
+    events = None
+    if events_path is not None:
+        events_path.unlink(missing_ok=True)
+        events = EventSink(events_path, cfg.logging.max_turn_events_per_step)
     controller = Controller(cfg, tasks=tasks, rollout=rollout, trainer=trainer,
-                            logger=MetricsLogger([sink]))
+                            logger=MetricsLogger([sink]), events=events, wall_clock=loop.time)
     staleness: list[int] = []
 
     def on_batch(groups: list[Group], version: int) -> None:
@@ -189,13 +196,14 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, end_
         virtual_s=end_s, wall_s=wall_s)
 
 
-def run_simulation(cfg: SluiceConfig, opts: SimOptions) -> tuple[SimReport, list[dict]]:
+def run_simulation(cfg: SluiceConfig, opts: SimOptions,
+                   events_path: Path | None = None) -> tuple[SimReport, list[dict]]:
     """`simulate` on a fresh virtual-clock loop starting at 0."""
     import looptime  # deferred: only the simulator fast-forwards time
 
     loop = looptime.new_event_loop(start=0.0, noop_cycles=2)
     try:
-        return loop.run_until_complete(simulate(cfg, opts))
+        return loop.run_until_complete(simulate(cfg, opts, events_path))
     finally:
         loop.close()
 
@@ -303,15 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    report, events = run_simulation(cfg, opts)
+    report, _ = run_simulation(cfg, opts, Path(trace) if trace else None)
     if opts.double_in_flight:
         doubled, _ = run_simulation(double_in_flight(cfg), opts)
         print(json.dumps({"as_configured": dataclasses.asdict(report),
                           "doubled": dataclasses.asdict(doubled)}, indent=2) if as_json
               else format_in_flight(report, doubled))
         return 0
-    if trace:
-        Path(trace).write_text("".join(json.dumps(e) + "\n" for e in events))
     print(json.dumps(dataclasses.asdict(report), indent=2) if as_json else format_report(cfg, report))
     return 0
 

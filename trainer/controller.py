@@ -97,7 +97,8 @@ class Controller:
     def __init__(self, cfg: SluiceConfig, *, tasks: Sequence[Task], rollout: RolloutSide,
                  trainer: TrainerSide, logger: MetricsLogger,
                  transcripts: TranscriptSink | None = None, events: EventSink | None = None,
-                 eval_tasks: Sequence[Task] = (), env_metrics: EnvMetrics | None = None) -> None:
+                 eval_tasks: Sequence[Task] = (), env_metrics: EnvMetrics | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         if not tasks:
             raise ValueError("no tasks to train on; check envs.tasks")
         self.cfg = cfg
@@ -107,6 +108,7 @@ class Controller:
         self.logger = logger
         self.transcripts = transcripts
         self.events = events
+        self.wall_clock = wall_clock  # timestamps of events.jsonl (a simulator's virtual clock)
         self.eval_tasks = list(eval_tasks)
         self.env_metrics = env_metrics
         self.eval_rewards: dict[int, float] = {}
@@ -239,7 +241,7 @@ class Controller:
     async def _push(self) -> dict[str, float]:
         """Weights to engines at a turn boundary: prepare them while turns go on, then
         drain turns, send + verify, reopen. Only the send holds the gates closed."""
-        start, wall = time.monotonic(), time.time()
+        start, wall = time.monotonic(), self.wall_clock()
         await self.trainer.prepare_weights(self.version + 1)
         prepared = time.monotonic()
         await self.rollout.close_gates()
@@ -275,7 +277,7 @@ class Controller:
             if self.eval_tasks and self.version not in self.eval_rewards:
                 self.logger.log(self.version, await self._evaluate())  # weights before any step
             while self.version < self.cfg.train.num_steps and not self._stopping:
-                step_start, step_wall = time.monotonic(), time.time()
+                step_start, step_wall = time.monotonic(), self.wall_clock()
                 groups = await self._take_batch()
                 if groups is None:
                     break
@@ -314,7 +316,7 @@ class Controller:
         assert self.events is not None
         turns, dropped = turn_events(self.version, groups, self.events.max_turns_per_step)
         step = {"kind": "step", "step": self.version, "t0": round(step_wall, 4),
-                "t1": round(time.time(), 4), "turns_dropped": dropped,
+                "t1": round(self.wall_clock(), 4), "turns_dropped": dropped,
                 "trainer_wait_s": round(metrics.get("perf/trainer_idle_ratio", 0.0)
                                         * metrics.get("timing/step_s", 0.0), 4)}
         self.events.write([*turns, {**self._push_event, "step": self.version}, step])

@@ -253,6 +253,10 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
            "env/open_s_total": float(sum(w.env_open_s for w in workers)),
            "rollout/event_loop_stalls": float(sum(w.num_loop_stalls for w in workers))}
     out.update({f"buffer/dropped_{k}": float(v) for k, v in buffer.dropped.items()})
+    # Which groups go stale, by turns and by length: a bias against long trajectories
+    # shows up here (cumulative counts).
+    out.update({f"staleness/dropped_by_turns/{n}": float(c) for n, c in buffer.stale_by_turns.items()})
+    out.update({f"staleness/dropped_by_length/{b}": float(c) for b, c in buffer.stale_by_length.items()})
     return out, (queries, hits)
 
 

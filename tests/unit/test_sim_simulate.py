@@ -6,6 +6,7 @@ accounting identity and the admission bound hold; where the planner's assumption
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -104,7 +105,9 @@ def test_cli_prints_the_comparison_and_writes_a_trace(tmp_path, capsys):
                  "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "simulator" in out and "planner" in out and "prefix-cache hit rate" in out
-    assert len(trace.read_text().splitlines()) == 32 * 5
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(e["kind"] == "turn" for e in events) == 32 * 5  # the run report's schema
+    assert {e["kind"] for e in events} == {"turn", "push", "step"}
     assert main(["recipe=swe_grpo.yaml", *SMALL, "--mode", "later"]) == 2
     assert "--mode is sync or async" in capsys.readouterr().err
 
