@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable
 
 from envs.cache import default_cache_dir
+from envs.tasks.build_swe_smith import SET_NAME as SWE_SMITH_SET
+from envs.tasks.build_swe_smith import build_bundled_set
 from envs.tasks.code import SET_NAME as CODE_SET
 from envs.tasks.code import build_code_tasks
 from envs.tasks.rows import read_rows, task_from_row
@@ -38,6 +40,9 @@ BUILTIN_SETS: dict[str, tuple[str, Callable[[str], list[Task]]]] = {
     TOY_SET + HELDOUT_SUFFIX: ("toy", lambda cache_dir: build_heldout(TOY_SET)),
     TOY_EASY_SET + HELDOUT_SUFFIX: ("toy", lambda cache_dir: build_heldout(TOY_EASY_SET)),
     CODE_SET: ("code", build_code_tasks),
+    # SWE-smith-style bugs in hjson, built once into the cache (about 2 minutes).
+    SWE_SMITH_SET: ("swe", lambda cache_dir: _read_bundled_swe(build_bundled_set(cache_dir),
+                                                               cache_dir)),
 }
 FORMATS = ("auto", "toy", "code", "swe", "jsonl", "parquet")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -98,6 +103,14 @@ def _read_file(path: str, fmt: str, cache_dir: str,
     if not tasks and not problems:
         problems.append(f"task file {path!r} holds no rows; add one task per line")
     return tasks, problems
+
+
+def _read_bundled_swe(path: str, cache_dir: str) -> list[Task]:
+    tasks, problems = _read_file(path, "swe", cache_dir, 1)
+    if problems:
+        raise ValueError(f"the bundled set {SWE_SMITH_SET!r} at {path} is broken ({problems[0]}); "
+                         "delete its folder to rebuild it")
+    return tasks
 
 
 def _duplicate_ids(source: str, tasks: list[Task]) -> list[str]:

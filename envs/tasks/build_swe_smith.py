@@ -68,6 +68,8 @@ IDENTITY = {"GIT_AUTHOR_NAME": "sluice", "GIT_AUTHOR_EMAIL": "sluice@localhost",
             "GIT_COMMITTER_NAME": "sluice", "GIT_COMMITTER_EMAIL": "sluice@localhost",
             "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
             "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000"}
+SET_NAME = "swe_smith_hjson"  # the built-in set (envs.tasks) these defaults build
+BUNDLED_NUM_TASKS = 20
 RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)")
 
 
@@ -258,6 +260,22 @@ def build_tasks(out_dir: str, project_name: str = "hjson", max_tasks: int = 20,
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return rows
+
+
+def build_bundled_set(cache_dir: str) -> str:
+    """The tasks.jsonl of the built-in set SET_NAME, built once under `cache_dir`."""
+    from envs.cache import build_once
+
+    version = getattr(__import__(PROJECTS["hjson"].package), "__version__", "unknown")
+    dest = os.path.join(cache_dir, "swe_smith", f"hjson-{version}-seed0-{BUNDLED_NUM_TASKS}")
+    build_once(dest, lambda tmp: _build_nonempty(tmp))
+    return os.path.join(dest, "tasks.jsonl")
+
+
+def _build_nonempty(out_dir: str) -> None:
+    if not build_tasks(out_dir, "hjson", BUNDLED_NUM_TASKS):
+        raise ValueError(f"no {SET_NAME} task could be built here; run python -m "
+                         "envs.tasks.build_swe_smith OUT_DIR to see why")
 
 
 def _commit_task(repo: str, pristine: str, project: Project, bug: Bug, f2p: list[str],

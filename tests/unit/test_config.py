@@ -18,7 +18,7 @@ def test_schema_defaults_are_a_valid_config():
     assert cfg.cluster.device == "cpu" and cfg.train.group_size == 8
 
 
-@pytest.mark.parametrize("recipe", ["quickstart.yaml", "swe_grpo.yaml"])
+@pytest.mark.parametrize("recipe", ["quickstart.yaml", "swe_grpo.yaml", "swe_mini.yaml"])
 def test_bundled_recipes_load(recipe):
     cfg = load_config(recipe)
     assert isinstance(cfg, SluiceConfig)
