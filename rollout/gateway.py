@@ -385,7 +385,11 @@ class GatewayServer:
                 return contextlib.nullcontext()
 
         config = uvicorn.Config(build_app(self.gateway), host=self.host, port=self.port,
-                                log_level="warning", lifespan="off", access_log=False)
+                                log_level="warning", lifespan="off", access_log=False,
+                                # Harnesses keep a connection open across turns (tool runs in
+                                # between can take minutes); uvicorn's 5 s default closes it
+                                # under them. A deep backlog takes 1000 sessions connecting at once.
+                                timeout_keep_alive=600, backlog=4096)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
