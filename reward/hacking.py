@@ -23,6 +23,7 @@ import dataclasses
 import os
 import re
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -244,14 +245,20 @@ def _matches(feature: str, signs: tuple[str, ...]) -> bool:
     return False
 
 
+# Findings run on threads (reward.tests); ast.parse from two threads at once can raise
+# "SystemError: AST constructor recursion depth mismatch" on Python 3.11.
+_PARSE_LOCK = threading.Lock()
+
+
 def code_features(source: bytes) -> set[str]:
     """Imports, dotted names (through import aliases, `getattr(m, "name")` and
     `__import__("m")`) and notable string literals of a Python file (regex over the text
     when it does not parse)."""
     text = source.decode("utf-8", errors="replace")
     try:
-        tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+        with _PARSE_LOCK:  # CPython 3.11's parser is not safe in several threads at once
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         names = re.findall(r"[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+|__builtins__", text)
         imports = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", text, re.MULTILINE)
         return set(names) | {f"import:{m}" for m in imports} | _string_features([text])
