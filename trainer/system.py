@@ -171,6 +171,17 @@ class Parts:
     rollout: RolloutSide  # rollout.worker_actor.RayRollout
     trainer: TrainerSide  # trainer.train_actor.RayTrainer
     env_metrics: EnvMetrics
+    sandbox_pools: list[Any]  # SandboxPoolActor handles: closed before Ray shuts down
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Release every sandbox (unmount, remove its folder) while the pools still run:
+        ray.shutdown() would kill them with their sandboxes still mounted."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(h.close.remote() for h in self.sandbox_pools),
+                                                  return_exceptions=True), timeout_s)
+        except TimeoutError:
+            log.warning("sandbox pools did not close within %.0f s; the next start reaps them",
+                        timeout_s)
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -227,7 +238,7 @@ async def start_parts(cfg: SluiceConfig, model_path: str) -> Parts:
                 "driver/bytes_received": float(rollout.bytes_received)}
 
     return Parts(rollout, RayTrainer(group, router, transport, verify=cfg.sync.verify_checksum),
-                 env_metrics)
+                 env_metrics, list(sandboxes.handles.values()))
 
 
 async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
@@ -251,6 +262,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     # before any engine starts: a mismatch would corrupt every trajectory's ids.
     check_template(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
                    tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser)
+    parts: Parts | None = None
     try:
         parts = await start_parts(cfg, model_path)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -301,6 +313,8 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
                   f"{' '.join(_resume_argv(run_dir))}", file=sys.stderr)
         return summary, run_dir
     finally:
+        if parts is not None and signals.count < 2:  # a second Ctrl-C: shut down at once
+            await asyncio.shield(parts.close())
         ray.shutdown()
 
 

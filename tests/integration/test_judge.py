@@ -70,7 +70,8 @@ async def test_reward_loop_scores_a_group_with_the_judge(engine, tokenizer):
                       timeout_s=120.0, max_concurrency=4, judge=client(engine, tokenizer))
     results = await asyncio.gather(*(loop.score(trajectory(tokenizer, f"Answer: {i}"), TASK)
                                      for i in range(6)))
-    assert all(r.components == {"judge_score": 0.0, "judge_parse_error": 1.0} for r in results)
+    assert all(r.reward_components == {"judge_score": 0.0, "judge_parse_error": 1.0}
+               for r in results)  # scored trajectories, with the judge's components
     assert loop.num_timeouts == 0
 
 

@@ -17,6 +17,7 @@ GPU_RECIPE = ["cluster.device=cuda", "cluster.local_num_cpus=8", "cluster.local_
               "rollout.num_engines=1", "rollout.tp_size=2", "train.num_ranks=1",
               "reward.judge.enabled=true", "reward.judge.num_engines=1",
               "envs.num_sandbox_workers=2", "envs.cpus_per_sandbox_worker=0.5",
+              "rollout.num_agent_workers=2",
               "sync.transport=nccl"]
 
 
@@ -78,7 +79,7 @@ def test_unsatisfiable_pool_fails_fast_naming_pool_and_resources(ray_cluster):
 
 
 def test_missing_sandbox_resource_is_named(ray_cluster):
-    cfg = load_config("quickstart.yaml", [*GPU_RECIPE, "envs.num_sandbox_workers=3"])
+    cfg = load_config("quickstart.yaml", [*GPU_RECIPE, "envs.num_sandbox_workers=3", "rollout.num_agent_workers=3"])
     with pytest.raises(PoolPlacementError, match=r"pool 'sandbox'.*sandbox: needs 3, the cluster has 2"):
         build_pools(cfg)
 
