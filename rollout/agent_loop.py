@@ -294,7 +294,11 @@ class ToolAgentLoop:
                                       max_calls=ctx.settings.max_tool_calls_per_turn,
                                       prompt_ids=rec.context_ids[:rec.sent_prefix_lengths[-1]])
             rec.record_tool_parse(parsed.status)
-            transcript.append(Message("assistant", parsed.content, parsed.calls, reasoning=parsed.reasoning))
+            # A plain answer stays as generated (parsers strip its whitespace, the template
+            # would not), so the debug re-render compares like with like.
+            plain = not parsed.calls and not parsed.errors and parsed.reasoning is None
+            content = ctx.text_of(out) if plain else parsed.content
+            transcript.append(Message("assistant", content, parsed.calls, reasoning=parsed.reasoning))
             if not parsed.calls and not parsed.errors:
                 reason = TerminationReason.MAX_TOKENS if out.finish_reason == "length" else TerminationReason.FINISHED
                 return rec.finish(reason)
