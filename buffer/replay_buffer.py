@@ -75,12 +75,12 @@ def mask_trajectory(t: Trajectory) -> Trajectory:
                                versions=np.full(len(t.response_ids), NO_VERSION, np.int32))
 
 
-def _length_bucket(n: int) -> str:
-    edges = (256, 1024, 4096, 16384, 65536)
-    for edge in edges:
-        if n < edge:
-            return f"<{edge}"
-    return f">={edges[-1]}"
+LENGTH_EDGES = (256, 1024, 4096, 16384, 65536)  # response-length buckets of stale evictions
+
+
+def length_bucket(tokens: float) -> str:
+    """The bucket (`<256` ... `>=65536`) a response of `tokens` tokens is counted in."""
+    return next((f"<{e}" for e in LENGTH_EDGES if tokens < e), f">={LENGTH_EDGES[-1]}")
 
 
 class ReplayBuffer:
@@ -194,7 +194,7 @@ class ReplayBuffer:
                 self._dropped["stale"] += 1
                 self._stale_by_turns[max(len(t.turns) for t in group.trajectories)] += 1
                 longest = max(len(t.response_ids) for t in group.trajectories)
-                self._stale_by_length[_length_bucket(longest)] += 1
+                self._stale_by_length[length_bucket(longest)] += 1
             else:
                 keep.append(group)
         self._groups = keep

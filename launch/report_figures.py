@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from buffer.replay_buffer import LENGTH_EDGES, length_bucket
 from launch.report_data import Events, Series, TrajectorySpan, TurnEvent, trajectories_by_step
 
 if TYPE_CHECKING:
@@ -437,13 +438,8 @@ def build_end_reasons(series: Series) -> Panel | None:
                  "Termination reasons of the trajectories each step trained on.")
 
 
-LENGTH_EDGES = (256, 1024, 4096, 16384, 65536)  # the replay buffer's response-length buckets
 _BY_TURNS = re.compile(r"(?:stale|dropped)_by_turns/(\d+)$")
 _BY_LENGTH = re.compile(r"(?:stale|dropped)_by_length/(.+)$")
-
-
-def length_bucket(tokens: float) -> str:
-    return next((f"<{e}" for e in LENGTH_EDGES if tokens < e), f">={LENGTH_EDGES[-1]}")
 
 
 @dataclass(frozen=True, slots=True)

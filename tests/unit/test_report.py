@@ -221,12 +221,12 @@ def test_stale_drops_come_from_the_buffer_counters_else_from_drop_events():
     assert found.by_turns == {3: 1} and found.by_length == {"<16384": 1}
 
 
-def test_length_buckets_are_the_replay_buffers():
-    from buffer.replay_buffer import _length_bucket
-    from launch.report_figures import length_bucket
+def test_length_buckets_have_their_edges_on_the_upper_side():
+    from buffer.replay_buffer import length_bucket
 
-    for n in (0, 255, 256, 1023, 1024, 4096, 16383, 65535, 65536, 10**6):
-        assert length_bucket(n) == _length_bucket(n)
+    expected = {0: "<256", 255: "<256", 256: "<1024", 1023: "<1024", 1024: "<4096",
+                16383: "<16384", 65535: "<65536", 65536: ">=65536", 10**6: ">=65536"}
+    assert {n: length_bucket(n) for n in expected} == expected
 
 
 def test_wandb_logging_is_skipped_with_a_reason_when_the_run_had_it_off(tmp_path):
