@@ -103,6 +103,12 @@ class Task:
     fail_to_pass: tuple[str, ...] = ()  # pytest node ids that must pass after the change
     pass_to_pass: tuple[str, ...] = ()  # pytest node ids that must keep passing
     reward_fn: str | None = None  # import string 'package.module:Class' overriding reward.fn
+    # Tests graded by the repository's own runner instead of pytest node ids (SWE-bench's
+    # django, sympy, ...): the command (run with bash in the workspace) and the name of
+    # the `swebench` log parser that reads its output (e.g. "parse_log_django"); test ids
+    # are then whatever that parser reports.
+    test_command: str | None = None
+    log_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -122,10 +128,14 @@ class Task:
                              f"{check_plugin_name('reward fn', self.reward_fn)}")
 
     def _validate_tests(self) -> None:
+        if (self.test_command is None) != (self.log_parser is None):
+            raise ValueError(f"task {self.id!r}: test_command and log_parser go together (the "
+                             "runner's command and the swebench parser of its output)")
         for name in ("fail_to_pass", "pass_to_pass"):
             ids = getattr(self, name)
             for node_id in ids:
-                problem = _node_id_problem(node_id)
+                problem = (_node_id_problem(node_id) if self.log_parser is None
+                           else "" if isinstance(node_id, str) and node_id else "is empty")
                 if problem:
                     raise ValueError(f"task {self.id!r}: {name} entry {node_id!r} {problem}")
             if len(set(ids)) != len(ids):
@@ -261,6 +271,10 @@ class Trajectory:
     reward: float | None = None  # None until the reward loop scores it
     reward_components: Mapping[str, float] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
+    # Position of this trajectory within its session. A black-box harness that rewrites
+    # its history (rollout.gateway) yields several exact segments for one sample: they
+    # share `index`, the session's reward and its group baseline. 0 for ordinary loops.
+    segment: int = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: inputs (lists or arrays) are normalised once, here
@@ -294,6 +308,8 @@ class Trajectory:
             raise ValueError("behaviour logprobs must be finite and <= 0")
         if self.reward is not None and not math.isfinite(self.reward):
             raise ValueError(f"reward must be finite, got {self.reward}")
+        if self.segment < 0:
+            raise ValueError(f"segment must be >= 0, got {self.segment}")
 
     @property
     def num_model_tokens(self) -> int:
@@ -317,7 +333,7 @@ class Trajectory:
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly digest for transcripts and logs."""
         return {"task_id": self.task_id, "group_id": self.group_id, "index": self.index,
-                "termination": self.termination.value, "detail": self.termination_detail,
+                "segment": self.segment, "termination": self.termination.value, "detail": self.termination_detail,
                 "reward": self.reward, "turns": len(self.turns),
                 "prompt_tokens": len(self.prompt_ids), "response_tokens": len(self.response_ids),
                 "model_tokens": self.num_model_tokens}
@@ -328,7 +344,11 @@ class Trajectory:
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """All G terminal trajectories of one task; the unit the buffer holds and GRPO normalises."""
+    """All terminal trajectories of the G samples (sessions) of one task; the unit the
+    buffer holds and GRPO normalises. A sample is usually one trajectory; a black-box
+    harness that rewrote its history gives several segments with the same `index`
+    (segments 0..k-1, in order), which share the sample's reward: the baseline is taken
+    over the G samples, never over rows."""
 
     task_id: str
     group_id: str
@@ -341,19 +361,41 @@ class Group:
             if (t.task_id, t.group_id) != (self.task_id, self.group_id):
                 raise ValueError(f"trajectory {i} belongs to {t.task_id}/{t.group_id}, "
                                  f"not group {self.task_id}/{self.group_id}")
-        if sorted(t.index for t in self.trajectories) != list(range(len(self.trajectories))):
+        segments: dict[int, list[int]] = {}
+        for t in self.trajectories:
+            segments.setdefault(t.index, []).append(t.segment)
+        if sorted(segments) != list(range(len(segments))):
             raise ValueError(f"group {self.group_id}: trajectory indices must be 0..G-1")
+        for index, seen in segments.items():
+            if sorted(seen) != list(range(len(seen))):
+                raise ValueError(f"group {self.group_id}: sample {index} has segments {sorted(seen)}; "
+                                 "a sample's segments are numbered 0..k-1, each once")
+        for index in segments:
+            rewards = {t.reward for t in self.trajectories if t.index == index}
+            if len(rewards) > 1:
+                raise ValueError(f"group {self.group_id}: the segments of sample {index} carry "
+                                 f"different rewards {sorted(rewards, key=str)}; they share one")
 
     @property
     def size(self) -> int:
+        """Rows (trajectories, segments included); `num_samples` is G."""
         return len(self.trajectories)
 
+    @property
+    def num_samples(self) -> int:
+        return len({t.index for t in self.trajectories})
+
     def rewards(self) -> np.ndarray:
-        """float32 rewards_G; raises if a trajectory is not scored yet."""
-        missing = [t.index for t in self.trajectories if t.reward is None]
+        """float32 rewards_G, one per sample (index order); raises if one is not scored yet."""
+        missing = sorted({t.index for t in self.trajectories if t.reward is None})
         if missing:
             raise ValueError(f"group {self.group_id}: trajectories {missing} have no reward yet")
-        return np.array([t.reward for t in self.trajectories], dtype=np.float32)
+        by_index = {t.index: t.reward for t in self.trajectories}
+        return np.array([by_index[i] for i in range(len(by_index))], dtype=np.float32)
+
+    def sample_of_rows(self) -> np.ndarray:
+        """int64 per row: the sample (index into `rewards()`) each trajectory belongs to."""
+        return np.array([t.index for t in self.trajectories], dtype=np.int64)
 
     def oldest_version(self) -> int | None:
         versions = [v for t in self.trajectories if (v := t.oldest_version) is not None]

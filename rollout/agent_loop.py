@@ -82,6 +82,10 @@ class AgentContext:
     router: Router
     gate: TurnGate
     recorder: TrajectoryRecorder | None = None
+    # Finished earlier segments of this sample, in order (a loop that had to start over
+    # from a fresh render, e.g. the gateway on a history rewrite, appends them); the
+    # worker trains them with the returned (or salvaged) last one, under one reward.
+    segments: list[Trajectory] = field(default_factory=list)
     continuity_divergence: str | None = None  # set by the debug continuity check
     activity: ToolActivity = field(default_factory=lambda: ToolActivity())  # the worker's
     _num_requests: int = field(default=0)

@@ -34,7 +34,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from envs.types import Message, TerminationReason, Trajectory
@@ -75,10 +75,20 @@ class GatewayStats:
     num_errors: int  # requests refused with a protocol error
 
     def as_metrics(self) -> dict[str, float]:
-        return {"gateway/sessions": self.num_sessions, "gateway/segments": self.num_segments,
-                "gateway/prefix_breaks": self.num_prefix_breaks,
-                "gateway/reencoded_tokens": self.num_reencoded_tokens,
-                "gateway/segments_per_session": self.num_segments / max(1, self.num_sessions)}
+        """gateway/* keys (totals since the gateway started; docs/metrics.md)."""
+        return {"gateway/sessions": float(self.num_sessions),
+                "gateway/open_sessions": float(self.num_open_sessions),
+                "gateway/segments": float(self.num_segments),
+                "gateway/segments_per_session": self.num_segments / max(1, self.num_sessions),
+                "gateway/prefix_breaks": float(self.num_prefix_breaks),
+                "gateway/reencoded_tokens": float(self.num_reencoded_tokens),
+                "gateway/requests": float(self.num_requests),
+                "gateway/errors": float(self.num_errors)}
+
+
+def sum_gateway_stats(stats: Sequence[GatewayStats]) -> GatewayStats:
+    """The counters of several gateways (workers, processes) added up."""
+    return GatewayStats(*(sum(getattr(s, f.name) for s in stats) for f in fields(GatewayStats)))
 
 
 @dataclass(slots=True)

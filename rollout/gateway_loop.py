@@ -9,11 +9,11 @@ name), waits for the harness (bounded by `harness_timeout_s`; the worker's
 agent.trajectory_timeout_s bounds it too and then salvages the open segment, which the
 loop keeps on `ctx.recorder`), then closes the session.
 
-One session may yield several segments (the harness rewrote its history). The worker
-takes ONE Trajectory per loop run today, so `run` returns the LAST segment (the one the
-harness finished in) and keeps all of them for `pop_segments(group_id, index)`. Training
-every segment with the session's reward and baseline needs a worker change (see
-docs/gateway.md, "Segments and the worker").
+One session may yield several segments (the harness rewrote its history). Each segment
+that ends because a new one starts goes onto `ctx.segments`; `run` returns the last one,
+and the worker trains them all under the sample's one reward and group baseline. On a
+trajectory timeout the worker salvages the open segment (`ctx.recorder`) and keeps the
+earlier ones the same way.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import asyncio
 import json
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from envs.types import Task, TerminationReason, Trajectory
 from rollout.gateway import Gateway, GatewayServer, GatewaySettings
+from rollout.recorder import TrajectoryRecorder
 
 if TYPE_CHECKING:
     from rollout.agent_loop import AgentContext
@@ -57,12 +57,10 @@ class GatewayAgentLoop:
 
     model_name = "policy"
     harness_timeout_s = 600.0
-    max_kept_sessions = 10_000  # segments kept for pop_segments, oldest dropped first
 
     def __init__(self) -> None:
         self._server: GatewayServer | None = None
         self._starting = asyncio.Lock()
-        self._segments: OrderedDict[tuple[str, int], list[Trajectory]] = OrderedDict()
 
     @property
     def server(self) -> GatewayServer | None:
@@ -89,8 +87,13 @@ class GatewayAgentLoop:
         server = await self.server_for(ctx)
         gateway = server.gateway
 
-        def keep_open_segment(rec: object) -> None:
-            ctx.recorder = rec  # type: ignore[assignment]  # the worker salvages it on a timeout
+        def keep_open_segment(rec: TrajectoryRecorder) -> None:
+            # The segment a prefix break finished is trained with the sample; one without a
+            # generation was dropped by the gateway (nothing to train) and has no result.
+            previous = ctx.recorder
+            if previous is not None and previous.result is not None:
+                ctx.segments.append(previous.result)
+            ctx.recorder = rec  # the open one: the worker salvages it on a timeout
 
         session = gateway.open_session(task.id, ctx.group_id, ctx.index, on_segment=keep_open_segment)
         base = server.session_url(session)
@@ -105,20 +108,11 @@ class GatewayAgentLoop:
             reason, detail = TerminationReason.ERROR, f"harness failed: {type(exc).__name__}: {exc}"
         finally:
             segments = gateway.close_session(session.id, reason, detail)
-            self._keep(ctx.group_id, ctx.index, segments)
-        if not segments:
-            rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
+        if not segments:  # no generation: an error with no model token (nothing to train)
+            rec = ctx.recorder or ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
             return rec.finish(TerminationReason.ERROR, detail or "the harness made no model request")
+        ctx.segments[:] = segments[:-1]  # (the same, unless the open segment had no generation)
         return segments[-1]
-
-    def _keep(self, group_id: str, index: int, segments: list[Trajectory]) -> None:
-        self._segments[(group_id, index)] = segments
-        while len(self._segments) > self.max_kept_sessions:
-            self._segments.popitem(last=False)
-
-    def pop_segments(self, group_id: str, index: int) -> list[Trajectory]:
-        """Every segment of the trajectory's session, in order (for a multi-segment worker)."""
-        return self._segments.pop((group_id, index), [])
 
     async def close(self) -> None:
         if self._server is not None:

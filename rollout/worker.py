@@ -7,6 +7,12 @@ sandbox lease, final workspace), made once and released once whatever the ending
 final workspace goes straight to this worker's reward loop and is never put on the
 Trajectory, so it never leaves the node (workers are placed beside their sandbox pool).
 
+A sample is usually one trajectory. A loop that had to start over from a fresh render
+(the gateway, when a black-box harness rewrote its history) also leaves its earlier
+exact segments on `ctx.segments`: the worker scores the sample once (its last segment
+and its final workspace), gives every segment that reward and the sample's ending, and
+numbers them (`Trajectory.segment`); the group's baseline is then taken over samples.
+
 This is the one place where a trajectory's failure is caught: an exception anywhere in an
 agent loop or its tools ends that trajectory with `error` (message kept), and the
 wall-clock limit ends it with `timeout`; both keep what the trajectory produced so far.
@@ -17,11 +23,12 @@ never fails because of a trajectory. A thin Ray actor hosts it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import traceback
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +39,8 @@ from reward.loop import RewardLoop
 from rollout.agent_loop import AgentContext, LoopSettings, ToolActivity, load_agent_loop
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
+from rollout.gateway import GatewayStats, sum_gateway_stats
+from rollout.gateway_loop import GatewayAgentLoop
 from rollout.router import Router
 
 if TYPE_CHECKING:
@@ -56,6 +65,9 @@ class WorkerStats:
     num_reward_timeouts: int = 0
     env_open_s: float = 0.0  # total time spent opening environments (sandbox waits)
     num_loop_stalls: int = 0  # times the event loop was blocked > STALL_S (a blocking tool)
+    num_segments: int = 0  # trajectories returned over all finished samples (> num_finished
+    # when a loop split samples into segments)
+    gateway: GatewayStats | None = None  # this worker's gateway, if a loop serves one
 
 
 class AgentLoopWorker:
@@ -77,6 +89,7 @@ class AgentLoopWorker:
         self._num_tool_errors = 0
         self._num_divergences = 0
         self._env_open_s = 0.0
+        self._num_segments = 0
         self.activity = ToolActivity()
         self._num_stalls = 0
         self._watchdog: asyncio.Task | None = None
@@ -119,12 +132,17 @@ class AgentLoopWorker:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch_loop())
         self.check_task(task)
-        trajectories = await asyncio.gather(
-            *(self.run_trajectory(task, group_id, i) for i in range(group_size)))
-        return Group(task.id, group_id, tuple(trajectories))
+        samples = await asyncio.gather(
+            *(self.run_sample(task, group_id, i) for i in range(group_size)))
+        return Group(task.id, group_id, tuple(t for segments in samples for t in segments))
 
     async def run_trajectory(self, task: Task, group_id: str, index: int) -> Trajectory:
-        """One scored trajectory: environment, agent loop, release, reward."""
+        """One scored sample's last (usually only) trajectory."""
+        return (await self.run_sample(task, group_id, index))[-1]
+
+    async def run_sample(self, task: Task, group_id: str, index: int) -> list[Trajectory]:
+        """One scored sample, as its segments in order: environment, agent loop, release,
+        reward (scored once, shared by every segment)."""
         env = self.envs.build(task)
         ctx = AgentContext(task=task, group_id=group_id, index=index, settings=self.settings,
                            chat=self.chat, tokenizer=self.tokenizer, env=env,
@@ -149,10 +167,12 @@ class AgentLoopWorker:
             self.router.release(ctx.session_id)
             workspace = await self._release(env)
         trajectory = await self.rewards.score(trajectory, task, workspace)
+        segments = join_segments(ctx.segments, trajectory, ctx)
         self._end_reasons[trajectory.termination.value] += 1
-        self._num_tool_errors += sum(t.num_tool_errors for t in trajectory.turns)
+        self._num_segments += len(segments)
+        self._num_tool_errors += sum(u.num_tool_errors for t in segments for u in t.turns)
         self._num_divergences += ctx.continuity_divergence is not None
-        return trajectory
+        return segments
 
     def _salvage(self, ctx: AgentContext, reason: TerminationReason, detail: str) -> Trajectory:
         """The partial trajectory of a failed loop (or a prompt-only one if it never started)."""
@@ -174,10 +194,30 @@ class AgentLoopWorker:
             return None
 
     def stats(self) -> WorkerStats:
+        gateways = [loop.server.gateway.stats() for loop in self._loops.values()
+                    if isinstance(loop, GatewayAgentLoop) and loop.server is not None]
         return WorkerStats(self._num_running, sum(self._end_reasons.values()),
                            dict(self._end_reasons), self._num_tool_errors, self._num_divergences,
                            self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s,
-                           self._num_stalls)
+                           self._num_stalls, self._num_segments,
+                           sum_gateway_stats(gateways) if gateways else None)
+
+
+def join_segments(earlier: Sequence[Trajectory], last: Trajectory, ctx: AgentContext) -> list[Trajectory]:
+    """The sample's segments, numbered in order, each with the scored `last` one's reward,
+    components and ending (a failed sample fails as a whole: the buffer's failure policy
+    then applies to all its segments, never only to the one it ended in)."""
+    for t in earlier:
+        _check_result(t, ctx)
+    if not earlier:
+        return [last]
+    ending = f"the sample ended {last.termination.value}" + (f": {last.termination_detail}"
+                                                            if last.termination_detail else "")
+    joined = [dataclasses.replace(t, segment=i, reward=last.reward, reward_components=last.reward_components,
+                                  termination=last.termination,
+                                  termination_detail=f"{t.termination_detail or 'segment ended'} ({ending})")
+              for i, t in enumerate(earlier)]
+    return [*joined, dataclasses.replace(last, segment=len(earlier))]
 
 
 def _check_result(trajectory: object, ctx: AgentContext) -> None:

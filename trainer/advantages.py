@@ -1,5 +1,6 @@
-"""GRPO advantages: each trajectory's reward normalised within its group of G rollouts of
-one task, then spread over the trajectory's model tokens. Plain torch; no Ray, no engine."""
+"""GRPO advantages: each sample's reward normalised within its group of G rollouts of
+one task, given to every trajectory (segment) of that sample, then spread over the
+trajectory's model tokens. Plain torch; no Ray, no engine."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import numpy as np
 import torch
 
 from buffer.batch import is_zero_variance  # noqa: F401  (one check, shared with the buffer)
+from envs.types import Group
 from trainer.config import LossConfig
-
 
 
 def _check_group(rewards_G: torch.Tensor) -> None:
@@ -53,6 +54,16 @@ def compute_batch_advantages(rewards_per_group: Sequence[torch.Tensor],
         raise ValueError("no groups given; a training step needs train.groups_per_step >= 1")
     return torch.cat([compute_grpo_advantages(r_G, cfg.adv_std_norm, cfg.adv_leave_one_out,
                                               cfg.adv_eps) for r_G in rewards_per_group])
+
+
+def compute_group_advantages(group: Group, cfg: LossConfig) -> np.ndarray:
+    """float32 advantage per row of `group.trajectories`: the GRPO advantage of each of the
+    G samples (baseline and std over samples, `group.rewards()`), given to every segment
+    of that sample. A sample split into k segments by a history rewrite is one sample of
+    the baseline, not k, so rewriting cannot shift the group's mean."""
+    adv_G = compute_grpo_advantages(torch.as_tensor(group.rewards()), cfg.adv_std_norm,
+                                    cfg.adv_leave_one_out, cfg.adv_eps)
+    return adv_G.numpy().astype(np.float32)[group.sample_of_rows()]
 
 
 def broadcast_to_tokens(advantages_B: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:

@@ -40,13 +40,12 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from buffer.batch import TrainBatch
 from buffer.breaker import FailureBreaker, RepeatedFailure, group_failure
 from buffer.replay_buffer import BufferState, ReplayBuffer
 from envs.types import Group, Task, TerminationReason
-from trainer.advantages import compute_batch_advantages
+from trainer.advantages import compute_group_advantages
 from trainer.config import SluiceConfig
 from trainer.metrics import (BusyClock, EventSink, MetricsLogger, TranscriptSink,
                              compute_batch_metrics, compute_loop_metrics, turn_events)
@@ -229,10 +228,8 @@ class Controller:
         return groups
 
     async def _train_on(self, groups: list[Group]) -> dict[str, float]:
-        advantages = compute_batch_advantages([torch.as_tensor(g.rewards()) for g in groups],
-                                              self.cfg.loss)
-        sizes = [g.size for g in groups]
-        batch = TrainBatch.from_groups(groups, np.split(advantages.numpy(), np.cumsum(sizes)[:-1]),
+        # Per sample over each group, then onto each of its rows (segments of a sample).
+        batch = TrainBatch.from_groups(groups, [compute_group_advantages(g, self.cfg.loss) for g in groups],
                                        self.version)
         start = time.monotonic()
         outcome = await self.trainer.train(batch)
@@ -356,14 +353,15 @@ class Controller:
         if versions - {self.version}:
             raise RuntimeError(f"eval at version {self.version} sampled tokens of versions "
                                f"{sorted(versions)}: a weight push landed during evaluation")
-        mean = float(np.mean([t.reward for t in trajs]))
+        samples = [t for t in trajs if t.segment == 0]  # one row per sample (segments share its ending)
+        mean = float(np.mean([t.reward for t in samples]))
         self.eval_rewards[self.version] = mean
         log.info("eval at version %d: mean reward %.3f over %d trajectories", self.version,
-                 mean, len(trajs))
-        return {"eval/reward_mean": mean, "eval/num_trajectories": float(len(trajs)),
+                 mean, len(samples))
+        return {"eval/reward_mean": mean, "eval/num_trajectories": float(len(samples)),
                 "eval/failed_groups": float(len(failed)),
                 "eval/finished_frac": float(np.mean([t.termination == TerminationReason.FINISHED
-                                                     for t in trajs])),
+                                                     for t in samples])),
                 "timing/eval_s": time.monotonic() - start}
 
     # --- metrics -----------------------------------------------------------------------

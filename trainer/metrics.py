@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from envs.types import Group, Trajectory
+from rollout.gateway import sum_gateway_stats
 from rollout.tool_parser import tool_parse_counts
 
 if TYPE_CHECKING:
@@ -203,23 +204,27 @@ def turn_events(step: int, groups: Sequence[Group], limit: int) -> tuple[list[di
 
 
 def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, float]:
-    """reward/*, staleness/*, rollout/*, end/* of the groups one step trains on."""
+    """reward/*, staleness/*, rollout/*, end/* of the groups one step trains on. Rewards,
+    endings and turns are per sample (its segments share one reward and ending); tokens,
+    staleness and tool counts are over every trained row."""
     trajs = [t for g in groups for t in g.trajectories]
+    samples = [t for t in trajs if t.segment == 0]  # one row per sample
     staleness = [t.staleness(version) for t in trajs if t.oldest_version is not None]
     turns = [u for t in trajs for u in t.turns]
-    out = {"reward/mean": float(np.mean([t.reward for t in trajs])),
+    out = {"reward/mean": float(np.mean([t.reward for t in samples])),
            "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
            "staleness/max": float(max(staleness)) if staleness else 0.0,
            "rollout/tokens_generated": float(sum(t.num_model_tokens for t in trajs)),
-           "rollout/turns": float(np.mean([len(t.turns) for t in trajs])),
+           "rollout/turns": len(turns) / len(samples),
+           "rollout/segments_per_sample": len(trajs) / len(samples),
            "rollout/prefix_cache_hit_rate": compute_hit_rate(trajs),
            "rollout/tool_calls": float(sum(u.num_tool_calls for u in turns)),
            "rollout/tool_errors": float(sum(u.num_tool_errors for u in turns)),
            "rollout/tool_timeouts": float(sum(u.num_tool_timeouts for u in turns))}
-    out.update({f"end/{r}": float(n) for r, n in Counter(t.termination.value for t in trajs).items()})
+    out.update({f"end/{r}": float(n) for r, n in Counter(t.termination.value for t in samples).items()})
     out.update(tool_parse_counts(trajs))
-    for name in sorted({k for t in trajs for k in t.reward_components}):
-        values = [t.reward_components.get(name, 0.0) for t in trajs]
+    for name in sorted({k for t in samples for k in t.reward_components}):
+        values = [t.reward_components.get(name, 0.0) for t in samples]
         # Findings and failures are counts (how many trajectories); scores are means.
         counted = name.startswith("hack_") or name in ("reward_error", "timeout")
         out[f"reward/{name}"] = float(np.sum(values) if counted else np.mean(values))
@@ -252,6 +257,9 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
            "reward/errors_total": float(sum(w.num_reward_errors for w in workers)),
            "env/open_s_total": float(sum(w.env_open_s for w in workers)),
            "rollout/event_loop_stalls": float(sum(w.num_loop_stalls for w in workers))}
+    gateways = [w.gateway for w in workers if w.gateway is not None]
+    if gateways:  # totals over every worker's gateway (black-box harness sessions)
+        out.update(sum_gateway_stats(gateways).as_metrics())
     out.update({f"buffer/dropped_{k}": float(v) for k, v in buffer.dropped.items()})
     # Which groups go stale, by turns and by length: a bias against long trajectories
     # shows up here (cumulative counts).

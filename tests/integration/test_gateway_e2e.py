@@ -3,7 +3,8 @@ the official `openai` and `anthropic` clients: every prompt the engine saw is a 
 its segment, the segment's logprobs and versions are the engine's, streaming and
 non-streaming agree in shape, a history rewrite makes a new segment, another session's
 token is refused, malformed bodies get the protocol's errors, and GatewayAgentLoop runs a
-harness through the real agent-loop worker.
+harness through the real agent-loop worker, where a rewritten session is trained as two
+exact segments under one reward and advantage.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ class RecordingEngine:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.calls: list[tuple[list[int], object]] = []
+        self.calls_with_ids: list[tuple[str, list[int], object]] = []
 
     async def generate(self, request_id, prompt_ids, sampling):
         out = await self.engine.generate(request_id, prompt_ids, sampling)
         self.calls.append(([int(i) for i in prompt_ids], out))
+        self.calls_with_ids.append((request_id, *self.calls[-1]))
         return out
 
     def __getattr__(self, name):
@@ -185,43 +188,95 @@ async def test_tokens_and_malformed_requests_get_protocol_errors(served):
     server.gateway.close_session(other.id, TerminationReason.FINISHED)
 
 
+async def two_turns(endpoint: HarnessEndpoint, task: Task):
+    """Two turns with the official OpenAI client, as a black box would; the client and the
+    conversation so far."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=endpoint.openai_base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [m.to_template() for m in task.messages]
+    for follow_up in ("Go on.", None):
+        out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=12)
+        messages.append(out.choices[0].message.model_dump(exclude_none=True))
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+    return client, messages
+
+
 class ChattyHarness(GatewayAgentLoop):
-    """An in-process harness: two turns with the official OpenAI client, as a black box would."""
+    """An in-process harness: two turns."""
 
     model_name = "tiny"
 
     async def run_harness(self, task: Task, endpoint: HarnessEndpoint, ctx) -> TerminationReason:
-        import openai
-
-        client = openai.AsyncOpenAI(base_url=endpoint.openai_base_url, api_key=endpoint.api_key, max_retries=0)
-        messages = [m.to_template() for m in task.messages]
-        for follow_up in ("Go on.", None):
-            out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=12)
-            messages.append(out.choices[0].message.model_dump(exclude_none=True))
-            if follow_up:
-                messages.append({"role": "user", "content": follow_up})
+        await two_turns(endpoint, task)
         return TerminationReason.FINISHED
 
 
-async def test_gateway_agent_loop_runs_a_harness_in_the_worker(engine, tokenizer, chat):
+def gateway_worker(engine, tokenizer, chat, loop: str):
     recording = RecordingEngine(engine)
     settings = LoopSettings(budgets=Budgets(1024, 600, 24), max_turns=4, max_tool_calls_per_turn=2,
                             tool_timeout_s=5)
     worker = AgentLoopWorker(
-        default_loop=f"{__name__}:ChattyHarness", settings=settings, chat=chat, tokenizer=tokenizer,
+        default_loop=loop, settings=settings, chat=chat, tokenizer=tokenizer,
         router=Router({"e0": recording}), envs=EnvBuilder({}),
         rewards=RewardLoop("exact_match", lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                            timeout_s=30.0, max_concurrency=4), trajectory_timeout_s=120)
+    return worker, recording
+
+
+async def test_gateway_agent_loop_runs_a_harness_in_the_worker(engine, tokenizer, chat):
+    worker, recording = gateway_worker(engine, tokenizer, chat, f"{__name__}:ChattyHarness")
     task = Task("hi", (Message("system", "Be brief."), Message("user", "Say hi.")), answer="hi")
     group = await worker.run_group(task, "gw", 3)
     loop = worker.loop_for(task)
+    assert group.size == 3  # no rewrite: one segment per sample
     for t in group.trajectories:
         assert t.termination == TerminationReason.FINISHED, t.termination_detail
-        assert len(t.turns) == 2 and t.reward is not None
-        (segment,) = loop.pop_segments("gw", t.index)
-        assert np.array_equal(segment.response_ids, t.response_ids)
+        assert len(t.turns) == 2 and t.reward is not None and t.segment == 0
         full = np.concatenate([t.prompt_ids, t.response_ids]).tolist()
         sent = [c for c in recording.calls if c[0] == full[:len(c[0])]]
         assert {len(c[0]) for c in sent} >= {len(t.prompt_ids), t.turns[1].prompt_tokens}
     assert loop.server.gateway.stats().num_prefix_breaks == 0
+    metrics = worker.stats().gateway.as_metrics()
+    assert metrics["gateway/sessions"] == 3 and metrics["gateway/reencoded_tokens"] == 0
     await loop.close()
+
+
+class RewritingHarness(GatewayAgentLoop):
+    """Two turns, then the history compressed into one user message (a context-managing
+    harness), then one more turn: two segments for the sample."""
+
+    model_name = "tiny"
+
+    async def run_harness(self, task: Task, endpoint: HarnessEndpoint, ctx) -> TerminationReason:
+        client, messages = await two_turns(endpoint, task)
+        compressed = [messages[0], {"role": "user", "content": "Summary so far: you counted. Say hi."}]
+        await client.chat.completions.create(model=endpoint.model, messages=compressed, max_tokens=12)
+        return TerminationReason.FINISHED
+
+
+async def test_a_rewritten_session_trains_two_exact_segments_under_one_reward(engine, tokenizer, chat):
+    from trainer.advantages import compute_group_advantages
+    from trainer.config import LossConfig
+
+    worker, recording = gateway_worker(engine, tokenizer, chat, f"{__name__}:RewritingHarness")
+    task = Task("hi", (Message("system", "Be brief."), Message("user", "Say hi.")), answer="hi")
+    group = await worker.run_group(task, "rw", 2)
+    assert [(t.index, t.segment) for t in group.trajectories] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for index in (0, 1):
+        first, second = [t for t in group.trajectories if t.index == index]
+        calls = [(p, o) for rid, p, o in recording.calls_with_ids if rid.startswith(f"rw/{index}#")]
+        assert len(calls) == 3 and len(first.turns) == 2 and len(second.turns) == 1
+        assert_exact(first, calls[:2])
+        assert_exact(second, calls[2:])
+        assert first.reward == second.reward is not None  # scored once, on the last segment
+        assert first.termination is second.termination is TerminationReason.FINISHED
+    adv = compute_group_advantages(group, LossConfig())
+    assert adv[0] == adv[1] and adv[2] == adv[3]  # each segment carries its sample's advantage
+    stats = worker.stats()
+    assert stats.num_finished == 2 and stats.num_segments == 4
+    metrics = stats.gateway.as_metrics()
+    assert metrics["gateway/prefix_breaks"] == 2 and metrics["gateway/segments_per_session"] == 2.0
+    assert metrics["gateway/reencoded_tokens"] == sum(len(t.prompt_ids) for t in group.trajectories if t.segment)
+    await worker.loop_for(task).close()

@@ -61,6 +61,8 @@ def test_group_checks_membership_and_rewards():
     with pytest.raises(ValueError, match="belongs to"):
         Group("t0", "g0", (make_traj(0), make_traj(1, group_id="g1")))
     with pytest.raises(ValueError, match="0..G-1"):
+        Group("t0", "g0", (make_traj(0), make_traj(2)))
+    with pytest.raises(ValueError, match="sample 0 has segments"):  # the same row twice
         Group("t0", "g0", (make_traj(0), make_traj(0)))
     with pytest.raises(ValueError, match="no trajectories"):
         Group("t0", "g0", ())
