@@ -103,12 +103,6 @@ class Task:
     fail_to_pass: tuple[str, ...] = ()  # pytest node ids that must pass after the change
     pass_to_pass: tuple[str, ...] = ()  # pytest node ids that must keep passing
     reward_fn: str | None = None  # import string 'package.module:Class' overriding reward.fn
-    # Tests graded by the repository's own runner instead of pytest node ids (SWE-bench's
-    # django, sympy, ...): the command (run with bash in the workspace) and the name of
-    # the `swebench` log parser that reads its output (e.g. "parse_log_django"); test ids
-    # are then whatever that parser reports.
-    test_command: str | None = None
-    log_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -128,14 +122,10 @@ class Task:
                              f"{check_plugin_name('reward fn', self.reward_fn)}")
 
     def _validate_tests(self) -> None:
-        if (self.test_command is None) != (self.log_parser is None):
-            raise ValueError(f"task {self.id!r}: test_command and log_parser go together (the "
-                             "runner's command and the swebench parser of its output)")
         for name in ("fail_to_pass", "pass_to_pass"):
             ids = getattr(self, name)
             for node_id in ids:
-                problem = (_node_id_problem(node_id) if self.log_parser is None
-                           else "" if isinstance(node_id, str) and node_id else "is empty")
+                problem = _node_id_problem(node_id)
                 if problem:
                     raise ValueError(f"task {self.id!r}: {name} entry {node_id!r} {problem}")
             if len(set(ids)) != len(ids):
