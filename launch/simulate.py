@@ -80,6 +80,8 @@ class SimReport:
     buffered: int  # terminal groups not trained when the run ended
     end_reasons: dict[str, int]
     failed_cache_resets: int
+    logged_step_s: tuple[float, ...]  # the controller's own timing/step_s (virtual clock)
+    logged_trainer_idle_ratio: tuple[float, ...]  # its perf/trainer_idle_ratio per step
     virtual_s: float
     wall_s: float
 
@@ -142,7 +144,8 @@ async def simulate(cfg: SluiceConfig, opts: SimOptions,
         events_path.unlink(missing_ok=True)
         events = EventSink(events_path, cfg.logging.max_turn_events_per_step)
     controller = Controller(cfg, tasks=tasks, rollout=rollout, trainer=trainer,
-                            logger=MetricsLogger([sink]), events=events, wall_clock=loop.time)
+                            logger=MetricsLogger([sink]), events=events, wall_clock=loop.time,
+                            clock=loop.time)
     staleness: list[int] = []
 
     def on_batch(groups: list[Group], version: int) -> None:
@@ -155,11 +158,12 @@ async def simulate(cfg: SluiceConfig, opts: SimOptions,
     finally:
         rollout.close()
     end_s = loop.time()
-    return _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, end_s,
-                   time.monotonic() - wall), rollout.trace
+    return _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, sink.rows,
+                   end_s, time.monotonic() - wall), rollout.trace
 
 
-def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, end_s, wall_s) -> SimReport:
+def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, rows, end_s,
+            wall_s) -> SimReport:
     steps = trainer.steps
     ends = [s.push_end_s for s in steps]
     step_s = tuple(b - a for a, b in zip([0.0] + ends[:-1], ends))
@@ -193,6 +197,9 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, end_
         dropped=dict(summary.dropped), running=summary.running, buffered=summary.buffered,
         end_reasons=dict(rollout._end_reasons),
         failed_cache_resets=sum(e.num_failed_resets for e in engines.values()),
+        logged_step_s=tuple(r["timing/step_s"] for r in rows if "timing/step_s" in r),
+        logged_trainer_idle_ratio=tuple(r["perf/trainer_idle_ratio"] for r in rows
+                                        if "perf/trainer_idle_ratio" in r),
         virtual_s=end_s, wall_s=wall_s)
 
 

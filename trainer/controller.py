@@ -97,7 +97,8 @@ class Controller:
                  trainer: TrainerSide, logger: MetricsLogger,
                  transcripts: TranscriptSink | None = None, events: EventSink | None = None,
                  eval_tasks: Sequence[Task] = (), env_metrics: EnvMetrics | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not tasks:
             raise ValueError("no tasks to train on; check envs.tasks")
         self.cfg = cfg
@@ -108,6 +109,7 @@ class Controller:
         self.transcripts = transcripts
         self.events = events
         self.wall_clock = wall_clock  # timestamps of events.jsonl (a simulator's virtual clock)
+        self.clock = clock  # durations: timing/*, idle ratios (a simulator's virtual clock)
         self.eval_tasks = list(eval_tasks)
         self.env_metrics = env_metrics
         self.eval_rewards: dict[int, float] = {}
@@ -130,7 +132,7 @@ class Controller:
         self._capacity = asyncio.Event()
         self._group_ready = asyncio.Event()
         self._stopping = False
-        self._trainer_clock = BusyClock()
+        self._trainer_clock = BusyClock(clock)
         self._rollout_idle: list[float] = []
         self._group_ids = itertools.count()
         self._end_reasons: Counter[str] = Counter()
@@ -231,22 +233,22 @@ class Controller:
         # Per sample over each group, then onto each of its rows (segments of a sample).
         batch = TrainBatch.from_groups(groups, [compute_group_advantages(g, self.cfg.loss) for g in groups],
                                        self.version)
-        start = time.monotonic()
+        start = self.clock()
         outcome = await self.trainer.train(batch)
-        return {"timing/train_s": time.monotonic() - start, **outcome.metrics}
+        return {"timing/train_s": self.clock() - start, **outcome.metrics}
 
     async def _push(self) -> dict[str, float]:
         """Weights to engines at a turn boundary: prepare them while turns go on, then
         drain turns, send + verify, reopen. Only the send holds the gates closed."""
-        start, wall = time.monotonic(), self.wall_clock()
+        start, wall = self.clock(), self.wall_clock()
         await self.trainer.prepare_weights(self.version + 1)
-        prepared = time.monotonic()
+        prepared = self.clock()
         await self.rollout.close_gates()
         try:
             await self.trainer.push_weights(self.version + 1)
         finally:
             await self.rollout.open_gates()
-        end = time.monotonic()
+        end = self.clock()
         self._push_event = {"kind": "push", "version": self.version + 1, "t0": round(wall, 4),
                             "prepare_s": round(prepared - start, 4),
                             "gates_closed_s": round(end - prepared, 4)}
@@ -265,7 +267,7 @@ class Controller:
         """Train until train.num_steps or stop(). `on_step(version)` runs after each step
         (checkpoints); `on_batch(groups, version)` sees each batch before training (tests).
         Raises RepeatedFailureError when the breaker tripped (after cleaning up)."""
-        start = time.monotonic()
+        start = self.clock()
         rewards: list[float] = []
         admission = asyncio.create_task(self._admission_loop())
         poller = asyncio.create_task(self._poll_rollout_idle())
@@ -274,7 +276,7 @@ class Controller:
             if self.eval_tasks and self.version not in self.eval_rewards:
                 self.logger.log(self.version, await self._evaluate())  # weights before any step
             while self.version < self.cfg.train.num_steps and not self._stopping:
-                step_start, step_wall = time.monotonic(), self.wall_clock()
+                step_start, step_wall = self.clock(), self.wall_clock()
                 groups = await self._take_batch()
                 if groups is None:
                     break
@@ -307,7 +309,7 @@ class Controller:
             await asyncio.gather(admission, poller, *self._running, return_exceptions=True)
         if self.breaker.tripped is not None:
             raise RepeatedFailureError(self.breaker.tripped)
-        return self.summary(tuple(rewards), time.monotonic() - start)
+        return self.summary(tuple(rewards), self.clock() - start)
 
     def _write_events(self, groups: list[Group], step_wall: float, metrics: dict[str, float]) -> None:
         assert self.events is not None
@@ -338,7 +340,7 @@ class Controller:
     async def _evaluate(self) -> dict[str, float]:
         """Mean reward of the held-out tasks under the current version. Runs while the
         training loop waits, so no push can land mid-trajectory; admission goes on."""
-        start = time.monotonic()
+        start = self.clock()
         n = self.cfg.eval.samples_per_task
         results = await asyncio.gather(
             *(self.rollout.run_group(t, f"eval-v{self.version}-{i}", n)
@@ -362,7 +364,7 @@ class Controller:
                 "eval/failed_groups": float(len(failed)),
                 "eval/finished_frac": float(np.mean([t.termination == TerminationReason.FINISHED
                                                      for t in samples])),
-                "timing/eval_s": time.monotonic() - start}
+                "timing/eval_s": self.clock() - start}
 
     # --- metrics -----------------------------------------------------------------------
     async def _loop_metrics(self, step_start: float) -> dict[str, float]:
@@ -373,7 +375,7 @@ class Controller:
         idle = self._rollout_idle
         out.update({"perf/trainer_idle_ratio": self._trainer_clock.idle_ratio(),
                     "perf/rollout_idle_ratio": float(np.mean(idle)) if idle else 0.0,
-                    "timing/step_s": time.monotonic() - step_start})
+                    "timing/step_s": self.clock() - step_start})
         if self.env_metrics is not None:
             out.update(await self.env_metrics())
         self._trainer_clock.reset()

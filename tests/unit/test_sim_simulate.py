@@ -81,6 +81,10 @@ def test_sync_steps_agree_with_the_planner_where_its_assumptions_hold():
     # A sync step: the slowest trajectory of the batch, then training (push time is 0).
     first = max(t[-1]["gen_end_s"] for k, t in turns.items() if t[0]["version"] == 0)
     assert r.step_s[0] == pytest.approx(first + step_train_s, abs=2e-3)  # trace: ms
+    # The controller's own timings follow the virtual clock: its steps are the pushes'.
+    assert r.logged_step_s == pytest.approx(r.step_s, abs=1e-6)
+    # Sync: the trainer waits for the whole batch, then trains (push time 0 here).
+    assert r.logged_trainer_idle_ratio[0] == pytest.approx(first / r.step_s[0], abs=1e-5)  # trace: ms
     # Each trajectory's wall clock: its (turns - 1) execs of exactly exec_s, and its turns.
     for t in turns.values():
         gaps = [b["gate_s"] - a["gen_end_s"] for a, b in zip(t, t[1:])]
