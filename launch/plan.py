@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout.rope import text_config
 from trainer.config import SluiceConfig, iter_fields
+from trainer.model_check import MOE_KEYS, DecoderShape
 from trainer.recipe import load_config
 
 USAGE = """usage: python -m launch.plan recipe=NAME.yaml [section.key=value ...] [--json]
@@ -44,7 +46,6 @@ SEED_RATIO_ROWS = (
 )
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,64 +149,6 @@ def compute_account(p: PlanInputs) -> PlanAccount:
     )
 
 
-# --- the model's shape -----------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """The config.json numbers that size a dense decoder's weights and KV cache."""
-
-    num_layers: int
-    hidden: int
-    intermediate: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_config_json(cls, data: dict[str, Any], source: str) -> ModelShape:
-        text = data.get("text_config", data)  # multimodal configs nest the language model
-        if any(text.get(key) for key in MOE_KEYS):
-            raise ValueError(f"plan.model_params_b: {source} describes a mixture-of-experts "
-                             "model; set plan.model_params_b (and plan.kv_bytes_per_token) "
-                             "explicitly")
-        try:
-            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-            return cls(num_layers=int(text["num_hidden_layers"]), hidden=hidden,
-                       intermediate=int(text["intermediate_size"]), num_heads=heads,
-                       num_kv_heads=int(text.get("num_key_value_heads") or heads),
-                       head_dim=int(text.get("head_dim") or hidden // heads),
-                       vocab=int(text["vocab_size"]),
-                       tied_embeddings=bool(text.get("tie_word_embeddings", False)),
-                       # Qwen2 has q/k/v biases without saying so in its config.
-                       qkv_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")))
-        except KeyError as exc:
-            raise ValueError(f"plan.model_params_b: {source} lacks {exc.args[0]!r}; set "
-                             "plan.model_params_b and plan.kv_bytes_per_token explicitly") from None
-
-
-def compute_model_params(s: ModelShape) -> int:
-    """Parameters of a dense Llama/Qwen-style decoder (gated MLP, RMSNorm without bias).
-
-    Per-head q/k norms (Qwen3: 2 x head_dim per layer) are left out: under 1e-5 of the total.
-    """
-    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    attention = s.hidden * q_out + 2 * s.hidden * kv_out + q_out * s.hidden
-    if s.qkv_bias:
-        attention += q_out + 2 * kv_out
-    mlp = 3 * s.hidden * s.intermediate
-    per_layer = attention + mlp + 2 * s.hidden
-    embeddings = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
-    return s.num_layers * per_layer + embeddings + s.hidden
-
-
-def compute_kv_bytes_per_token(s: ModelShape, dtype_bytes: int) -> int:
-    """K and V of every layer for one token."""
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype_bytes
-
-
 def read_model_config(model_path: str) -> tuple[dict[str, Any] | None, str]:
     """The model's config.json as data (None when absent) and where it came from."""
     if model_path == "tiny":
@@ -299,6 +242,19 @@ class Plan:
 Sources = list[tuple[str, float, str]]  # (plan key, derived value, where it came from)
 
 
+def read_model_shape(data: dict[str, Any], source: str) -> DecoderShape:
+    """The dense decoder that `data` (a config.json) describes, or which plan.* keys to set."""
+    if any(text_config(data).get(key) for key in MOE_KEYS):
+        raise ValueError(f"plan.model_params_b: {source} describes a mixture-of-experts "
+                         "model; set plan.model_params_b (and plan.kv_bytes_per_token) "
+                         "explicitly")
+    try:
+        return DecoderShape.from_config(data, {}, source)
+    except ValueError as exc:
+        raise ValueError(f"plan.model_params_b: {exc}; set plan.model_params_b and "
+                         "plan.kv_bytes_per_token explicitly") from None
+
+
 def resolve_model(cfg: SluiceConfig, sources: Sources) -> tuple[float, int, int]:
     """(model_params_b, kv_bytes_per_token, dtype bytes): the plan's or from config.json."""
     pc = cfg.plan
@@ -317,12 +273,12 @@ def resolve_model(cfg: SluiceConfig, sources: Sources) -> tuple[float, int, int]
                          f"({where}) to derive it from; set {' and '.join(missing)} "
                          "(e.g. plan.model_params_b=8 plan.kv_bytes_per_token=147456 for "
                          "Qwen3-8B in bf16) or point model.path at the model folder")
-    shape = ModelShape.from_config_json(data, where)
+    shape = read_model_shape(data, where)
     if params_b is None:
-        params_b = compute_model_params(shape) / 1e9
+        params_b = shape.num_params / 1e9
         sources.append(("model_params_b", params_b, where))
     if kv_bytes is None:
-        kv_bytes = compute_kv_bytes_per_token(shape, dtype_bytes)
+        kv_bytes = shape.kv_bytes_per_token(dtype_bytes, 1)
         sources.append(("kv_bytes_per_token", kv_bytes, f"{where}, {dtype}"))
     return params_b, kv_bytes, dtype_bytes
 

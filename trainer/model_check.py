@@ -35,12 +35,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # gradients are computed (logits, softmax, products and gradients; measured on CPU with
 # tests/bench/bench_logprob_memory.py: 5.2 copies in training, 3.0 without gradients).
 LOGIT_COPIES_TRAIN = 5
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderShape:
-    """What sizes a dense decoder's memory and what tensor parallelism must divide."""
+    """What sizes a dense decoder's memory and what tensor parallelism must divide; also
+    the planner's parameter count and KV bytes per token (launch.plan)."""
 
     num_layers: int
     hidden: int
@@ -51,6 +52,7 @@ class DecoderShape:
     vocab: int
     tied_embeddings: bool
     positions: int  # after RoPE scaling overrides
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2, attention_bias)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], overrides: Mapping[str, Any],
@@ -64,18 +66,25 @@ class DecoderShape:
                        head_dim=int(text.get("head_dim") or hidden // heads),
                        vocab=int(text["vocab_size"]),
                        tied_embeddings=bool(text.get("tie_word_embeddings", False)),
-                       positions=count_positions(config, overrides))
+                       positions=count_positions(config, overrides),
+                       # Qwen2 has q/k/v biases without saying so in its config.
+                       qkv_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")))
         except KeyError as exc:
             raise ValueError(f"{key}: config.json lacks {exc.args[0]!r}; it does not describe "
                              "a decoder-only language model") from None
 
     @property
     def layer_params(self) -> int:
+        """Attention and gated-MLP weights of one layer (per-head q/k norms, Qwen3's
+        2 x head_dim, are left out: under 1e-5 of the total)."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.intermediate
+        biases = q + 2 * kv if self.qkv_bias else 0
+        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.intermediate + biases
 
     @property
     def num_params(self) -> int:
+        """A dense Llama/Qwen-style decoder: layers with their two RMSNorms, embeddings (and
+        an untied head), the final norm."""
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.num_layers * (self.layer_params + 2 * self.hidden) + embeddings + self.hidden
 

@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from model_configs import QWEN3_8B
 
-from launch.plan import (ModelShape, PlanInputs, SandboxNode, build_plan, compute_account,
-                         compute_decode_bound_tokens_per_s, compute_model_params,
-                         compute_ratios, compute_sandbox_nodes, main)
+from launch.plan import (PlanInputs, SandboxNode, build_plan, compute_account,
+                         compute_decode_bound_tokens_per_s, compute_ratios,
+                         compute_sandbox_nodes, main, read_model_shape)
 from trainer.recipe import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,10 +166,6 @@ def test_sandbox_nodes_take_the_tighter_of_cores_and_memory():
 
 
 # Qwen3-8B's shapes (its config.json on the hub has these numbers).
-QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-            "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16"}
 # Per layer: q 4096x4096 + k, v 4096x1024 + o 4096x4096, MLP 3 x 4096x12288, 2 norms of 4096;
 # untied embeddings 2 x 151936x4096; the final norm. The released model counts 8,190,735,360:
 # 36 x 2 x 128 more, its per-head q/k norms, which the planner leaves out.
@@ -196,13 +193,16 @@ def test_model_params_and_kv_bytes_come_from_config_json(tmp_path):
 
 def test_shape_defaults_and_biases():
     llama = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "vocab_size": 100, "tie_word_embeddings": True}
-    shape = ModelShape.from_config_json(llama, "x")
+             "num_attention_heads": 4, "vocab_size": 100, "tie_word_embeddings": True,
+             "max_position_embeddings": 4096}
+    shape = read_model_shape(llama, "x")
     assert (shape.num_kv_heads, shape.head_dim, shape.qkv_bias) == (4, 16, False)
     # 2 x (4 x 64x64 + 3 x 64x128 + 2 x 64) + tied 100x64 + 64
-    assert compute_model_params(shape) == 2 * (4 * 4096 + 3 * 8192 + 128) + 6400 + 64
-    qwen2 = ModelShape.from_config_json({**llama, "model_type": "qwen2"}, "x")
-    assert compute_model_params(qwen2) == compute_model_params(shape) + 2 * 3 * 64
+    assert shape.num_params == 2 * (4 * 4096 + 3 * 8192 + 128) + 6400 + 64
+    qwen2 = read_model_shape({**llama, "model_type": "qwen2"}, "x")
+    assert qwen2.num_params == shape.num_params + 2 * 3 * 64
+    with pytest.raises(ValueError, match="plan.model_params_b: x: config.json lacks 'vocab_size'"):
+        read_model_shape({k: v for k, v in llama.items() if k != "vocab_size"}, "x")
 
 
 def test_a_missing_or_moe_config_says_which_keys_to_set(tmp_path):
