@@ -196,6 +196,11 @@ class PoolStats:
     num_recreate_failures: int
     num_snapshots: int
     num_snapshot_failures: int
+    # Task images on this pool's node after prewarm (envs.sandbox.images; set by the
+    # pool actor): already present, loaded from an archive, pulled.
+    num_images_ready: int = 0
+    num_images_loaded: int = 0
+    num_images_pulled: int = 0
 
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]

@@ -4,13 +4,16 @@ agent-loop workers use to reach those actors. All behaviour lives in envs.pool."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 
 from envs.pool import PoolStats, SandboxLease, build_sandbox_pool
 from envs.sandbox.base import ExecResult, SandboxSpec
+from envs.sandbox.images import ImagePrewarm, prewarm_images
 from envs.types import WorkspaceChanges
 from envs.config import EnvsConfig
 
@@ -19,13 +22,18 @@ from envs.config import EnvsConfig
 class SandboxPoolActor:
     def __init__(self, envs: EnvsConfig, name: str) -> None:
         self.pool = build_sandbox_pool(envs, name=name)
+        self.backend = envs.sandbox_backend
+        self.images = ImagePrewarm()
 
-    async def start(self) -> None:
+    async def start(self, images: Sequence[str] = ()) -> None:
         """Reap what dead runs left on this node (the driver reaps only its own machine),
-        then warm the pool."""
+        make every task image present here (container backend; ValueError naming the
+        missing ones), then warm the pool."""
         from envs.reaper import reap_stale_state
 
         await asyncio.to_thread(reap_stale_state)
+        if images and self.backend == "container":
+            self.images = await asyncio.to_thread(prewarm_images, list(images))
         await self.pool.start()
 
     async def acquire(self, spec: SandboxSpec) -> SandboxLease:
@@ -51,7 +59,9 @@ class SandboxPoolActor:
         return await self.pool.workspace_changes(lease, max_bytes)
 
     async def stats(self) -> PoolStats:
-        return self.pool.stats()
+        return dataclasses.replace(self.pool.stats(), num_images_ready=self.images.num_ready,
+                                   num_images_loaded=self.images.num_loaded,
+                                   num_images_pulled=self.images.num_pulled)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -107,9 +117,11 @@ async def _call(method: Any, *args: Any) -> Any:
 
 
 async def start_sandbox_pools(envs: EnvsConfig, placement_group: Any | None = None,
-                              **actor_options: Any) -> RaySandboxProvider:
+                              images: Sequence[str] = (), **actor_options: Any,
+                              ) -> RaySandboxProvider:
     """Start `envs.num_sandbox_workers` pool actors (bundle i of the sandbox pool each, when
-    given), wait for their warm sandboxes, and return the provider over them."""
+    given), make the task `images` present on each one's node (prewarm), wait for their
+    warm sandboxes, and return the provider over them."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     handles = {}
@@ -120,6 +132,10 @@ async def start_sandbox_pools(envs: EnvsConfig, placement_group: Any | None = No
             options.update(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=i))
         handles[name] = SandboxPoolActor.options(**options).remote(envs, name)
-    for handle in handles.values():
-        await handle.start.remote()
+    try:
+        await asyncio.gather(*(h.start.remote(list(images)) for h in handles.values()))
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, ValueError):  # the missing images, named
+            raise exc.cause from None
+        raise
     return RaySandboxProvider(handles)

@@ -34,7 +34,11 @@ class PoolMetrics:
                "env/queue_wait_s_p99": max(s.queue_wait.p99_s for s in stats),
                "env/exec_s_p50": max(s.exec.p50_s for s in stats),
                "env/exec_s_p99": max(s.exec.p99_s for s in stats),
-               "env/create_s_p50": max(s.create.p50_s for s in stats)}
+               "env/create_s_p50": max(s.create.p50_s for s in stats),
+               # the image cache of the sandbox nodes, from prewarm (totals over pools)
+               "env/images_ready": float(sum(s.num_images_ready for s in stats)),
+               "env/images_loaded": float(sum(s.num_images_loaded for s in stats)),
+               "env/images_pulled": float(sum(s.num_images_pulled for s in stats))}
         execs = self._delta("execs", sum(s.exec.count for s in stats))
         exec_s = self._delta("exec_s", sum(s.exec.total_s for s in stats))
         waits = self._delta("waits", sum(s.queue_wait.count for s in stats))

@@ -96,6 +96,9 @@ class Task:
     agent_loop: str | None = None  # import string overriding agent.loop for this task
     source_dir: str | None = None  # folder a sandbox workspace is created from
     image: str | None = None  # container image, for container sandbox backends
+    # Where `image` keeps the repository (SWE-bench/SWE-smith images: /testbed): the
+    # workspace is seeded from it and appears there; None: /workspace (source_dir).
+    workdir: str | None = None
     visible_tests: str | None = None  # folder of tests the agent may run (copied into its sandbox)
     hidden_tests: str | None = None  # folder of grading tests, never inside the agent's sandbox
     test_patch: str | None = None  # unified diff (paths relative to the workspace root, git's
@@ -103,6 +106,12 @@ class Task:
     fail_to_pass: tuple[str, ...] = ()  # pytest node ids that must pass after the change
     pass_to_pass: tuple[str, ...] = ()  # pytest node ids that must keep passing
     reward_fn: str | None = None  # import string 'package.module:Class' overriding reward.fn
+    # Tests graded by the repository's own runner instead of pytest node ids (SWE-bench's
+    # django, sympy, ...): the command (run with bash in the workspace) and the name of
+    # the `swebench` log parser that reads its output (e.g. "parse_log_django"); test ids
+    # are then whatever that parser reports.
+    test_command: str | None = None
+    log_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -122,10 +131,14 @@ class Task:
                              f"{check_plugin_name('reward fn', self.reward_fn)}")
 
     def _validate_tests(self) -> None:
+        if (self.test_command is None) != (self.log_parser is None):
+            raise ValueError(f"task {self.id!r}: test_command and log_parser go together (the "
+                             "runner's command and the swebench parser of its output)")
         for name in ("fail_to_pass", "pass_to_pass"):
             ids = getattr(self, name)
             for node_id in ids:
-                problem = _node_id_problem(node_id)
+                problem = (_node_id_problem(node_id) if self.log_parser is None
+                           else "" if isinstance(node_id, str) and node_id else "is empty")
                 if problem:
                     raise ValueError(f"task {self.id!r}: {name} entry {node_id!r} {problem}")
             if len(set(ids)) != len(ids):
@@ -138,6 +151,9 @@ class Task:
                 and not (self.source_dir or self.image or self.hidden_tests):
             raise ValueError(f"task {self.id!r} names tests but has no source_dir, image or "
                              "hidden_tests to run them in; add one")
+        if self.workdir is not None and (self.image is None or not self.workdir.startswith("/")):
+            raise ValueError(f"task {self.id!r}: workdir={self.workdir!r} is the absolute path "
+                             "of the repository inside the task's image; it needs an image")
         if self.test_patch is not None and not self.test_patch.strip():
             raise ValueError(f"task {self.id!r}: test_patch is empty; use None for no patch")
 

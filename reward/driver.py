@@ -22,6 +22,12 @@ write anything that uid can. The driver keeps its verdict out of that process's 
 
 The host trusts that line only together with the files whose hashes it names, and
 cross-checks the two accounts of the run (reward.crosscheck).
+
+Command mode (settings["command"], tasks graded by the repository's own runner and a
+swebench log parser): step 2 runs that command instead, its stdout and stderr one pipe
+that this process drains as the output comes (so nothing written can be edited or
+truncated afterwards, as a log file the same uid can open could be); after step 3 the
+captured output goes to out/log.txt and its hash onto the line; no report or records.
 """
 
 from __future__ import annotations
@@ -118,6 +124,51 @@ def run_tests(settings: dict, tmp: str, report: str, log_path: str,
         return child.wait(timeout=settings["timeout_s"]), False, reader
     except subprocess.TimeoutExpired:
         return None, True, reader
+
+
+def run_command(settings: dict, tmp: str) -> tuple[int | None, bool, PipeReader]:
+    """Exit code of the runner's command (None if it had to be killed), whether it timed
+    out, and the reader of its output pipe (command mode)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": tmp,
+           "TMPDIR": tmp, "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    read_end, write_end = os.pipe()
+    reader = PipeReader(read_end, settings["max_log_bytes"])
+    child = subprocess.Popen(settings["command"], cwd=settings["workspace"], env=env,
+                             stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end,
+                             close_fds=True, start_new_session=True)
+    os.close(write_end)  # from now on only the command (and what it starts) can write
+    try:
+        return child.wait(timeout=settings["timeout_s"]), False, reader
+    except subprocess.TimeoutExpired:
+        return None, True, reader
+
+
+def command_main(settings: dict) -> int:
+    undumpable = make_undumpable()
+    tmp = tempfile.mkdtemp(prefix="grade-")
+    start = time.monotonic()
+    exit_code, timed_out, reader = run_command(settings, tmp)
+    kill_everything_else()
+    problems = [] if reader.finish(timeout_s=5.0) else [
+        "the output pipe stayed open after every process was killed"]
+    if reader.overflow:
+        problems.append("the test output exceeded its size limit")
+    workspace = settings["workspace"]
+    out_dir = os.path.join(workspace, settings["out_dir"])
+    clear_folder(out_dir)
+    log = bytes(reader.data)
+    result = {"exit_code": exit_code, "timed_out": timed_out, "report_sha256": None,
+              "log_sha256": write_out(out_dir, "log.txt", log),
+              "stream_problems": problems, "undumpable": undumpable,
+              "seconds": round(time.monotonic() - start, 3),
+              "changed_protected": changed_protected(workspace, settings["protected"])[:MAX_LISTED],
+              "new_config_files": new_config_files(
+                  workspace, settings["config_names"], settings["known_config_files"],
+                  settings["skip_top_dirs"])[:MAX_LISTED],
+              "log_tail": log[-LOG_TAIL_BYTES:].decode("utf-8", "replace")}
+    sys.stdout.write(f"SLUICE-GRADE {settings['nonce']} {json.dumps(result)}\n")
+    sys.stdout.flush()
+    return 0
 
 
 def verify_stream(data: bytes, key: bytes, overflow: bool) -> tuple[list[dict], list[str]]:
@@ -223,6 +274,8 @@ def write_out(out_dir: str, name: str, data: bytes) -> str:
 
 def main() -> int:
     settings = json.loads(sys.stdin.read())
+    if settings.get("command"):
+        return command_main(settings)
     undumpable = make_undumpable()
     tmp = tempfile.mkdtemp(prefix="grade-")
     report, log_path = os.path.join(tmp, "report.xml"), os.path.join(tmp, "pytest.log")

@@ -23,7 +23,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from envs.sandbox.base import Sandbox
+from envs.sandbox.base import WORKSPACE_MOUNT, Sandbox
 from envs.types import HIDDEN_TESTS_DIR, Task
 from reward import boot as boot_module
 from reward import driver as driver_module
@@ -119,9 +119,11 @@ class GradingLayout:
 
 def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
                       visible_tests_dir: str = "visible_tests",
-                      rng: random.Random = _SYSTEM_RANDOM) -> GradingLayout:
+                      rng: random.Random = _SYSTEM_RANDOM,
+                      workdir: str = WORKSPACE_MOUNT) -> GradingLayout:
     """Fill the empty folder `dest` with the grading workspace (see the module docstring).
-    `visible_tests_dir` is where the agent's tools put the task's visible tests."""
+    `visible_tests_dir` is where the agent's tools put the task's visible tests; `workdir`
+    is where the grading sandbox will show `dest`."""
     if task.source_dir is not None:
         if not os.path.isdir(task.source_dir):
             raise ValueError(f"task {task.id!r}: source_dir {task.source_dir!r} is not a folder")
@@ -132,11 +134,13 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
     num_reverted, not_applied = _apply_changes(dest, changes, rules, given)
     _write_test_patch_result(task, dest)
     _copy_hidden_tests(task, dest)
-    _write_grader_files(dest, render_grader_config(source_config))
+    _write_grader_files(dest, render_grader_config(source_config, workdir))
     test_args = _test_args(task, dest)
     collection = Collection.from_options(source_config.values if source_config else {})
-    sentinels = plant_sentinels(dest, _test_files(dest, test_args), rng, rng.choice((2, 3)),
-                                collection)
+    # pytest's must-fail sentinels; a task graded by its own runner's log gets none (that
+    # path's forged-output checks are in reward.swebench_log).
+    sentinels = () if task.log_parser is not None else plant_sentinels(
+        dest, _test_files(dest, test_args), rng, rng.choice((2, 3)), collection)
     test_args += tuple(dict.fromkeys(
         f for f in (s.node_id.split("::")[0] for s in sentinels)
         if not any(f == a or f.startswith(a.rstrip("/") + "/") for a in test_args)))
@@ -278,6 +282,8 @@ def _test_args(task: Task, dest: str) -> tuple[str, ...]:
     """The test files of the expected node ids that exist (a missing file would make
     pytest refuse the whole run; its tests then count as missing), or the hidden folder."""
     ids = (*task.fail_to_pass, *task.pass_to_pass)
+    if task.log_parser is not None:
+        return ()  # the runner's ids are no paths; its command chooses what runs
     if not ids:
         return (HIDDEN_TESTS_DIR,) if task.hidden_tests is not None else ()
     files = dict.fromkeys(node_id.split("::", 1)[0] for node_id in ids)

@@ -112,9 +112,10 @@ def _as_path(path: str) -> Any:
     return Path(path)
 
 
-def render_grader_config(config: SourceConfig | None) -> str:
+def render_grader_config(config: SourceConfig | None, workdir: str = WORKSPACE_MOUNT) -> str:
     """The grader's own config file (a TOML file pytest reads from `-c`): the source's
-    options in the same mode, with folder-relative paths made absolute."""
+    options in the same mode, with folder-relative paths made absolute (under `workdir`,
+    where the grading sandbox shows the workspace)."""
     lines = ["# Written by the grader; the only pytest configuration this run reads."]
     if config is None or not config.values:
         return "\n".join(lines) + "\n"
@@ -124,7 +125,7 @@ def render_grader_config(config: SourceConfig | None) -> str:
         if key in _DROPPED_OPTIONS:
             continue
         if key in _PATH_OPTIONS:
-            value = [f"{WORKSPACE_MOUNT}/{d}".rstrip("/") for d in config.pythonpath_dirs]
+            value = [f"{workdir}/{d}".rstrip("/") for d in config.pythonpath_dirs]
         elif key == "addopts":
             value = grading_addopts(value)
         lines.append(f"{_toml_key(key)} = {_toml_value(key, value)}")

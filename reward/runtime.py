@@ -30,12 +30,13 @@ from envs.cache import build_once, default_cache_dir
 
 log = logging.getLogger(__name__)
 
-# pytest 9's import-time dependencies; pygments is imported only to colour output.
-RUNTIME_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging")
+# pytest 9's import-time dependencies (its terminal writer imports pygments at module
+# level: a task image without pygments could not start the runner otherwise).
+RUNTIME_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments")
 RUNTIME_MODULES = ("py",)  # pytest's `py` compatibility shim, a single module
 RUNTIME_NAME = "pytest-runtime.zip"
 PRELOAD_NAME = "preload.json"
-_FORMAT = 2  # bump when the folder's content changes
+_FORMAT = 3  # bump when the folder's content changes
 
 
 _lock = threading.Lock()  # gradings prepare their folders in threads

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.sandbox.base import WORKSPACE_MOUNT, Sandbox, SandboxLimits, SandboxSpec
+from envs.sandbox.images import task_source_dir
 from envs.types import HIDDEN_TESTS_DIR, Task, Trajectory
 from reward.base import RewardContext, RewardResult, SandboxFactory
 from reward.crosscheck import RunAccount, build_account, cross_check
@@ -49,6 +50,7 @@ from reward.hacking import Finding, apply_findings, with_findings
 from reward.junit import MAX_REPORT_BYTES, JUnitReport, Outcome, junit_key, module_classname, \
     parse_junit
 from reward.runner_config import RUNNER_NAMES, shadow_names
+from reward import swebench_log
 from reward.runtime import runtime_preload
 from reward.workspace import WorkspaceChanges
 
@@ -58,6 +60,7 @@ GRADING_LIMITS = SandboxLimits(memory_mb=2048, max_processes=128, cpu_time_s=300
                                file_size_mb=256, disk_mb=2048)
 MAX_LISTED_FAILURES = 10
 MAX_STREAM_BYTES = 64 << 20
+GRADER_PATH = "pytest_driver"  # this grader's name in the graded_by_* component
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,7 @@ class DriverResult:
     log_tail: str  # the end of pytest's console output: for humans only, never parsed
     stream_sha256: str | None = None  # of out/records.jsonl, the recorder's verified records
     stream_problems: tuple[str, ...] = ()  # lines of the stream the driver did not accept
+    log_sha256: str | None = None  # of out/log.txt, the runner's output (command mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ class GradingRun:
     layout: GradingLayout
     locked: bool
     account: RunAccount = dataclasses.field(default_factory=RunAccount)
+    in_image: bool = False  # graded in a container of the task's own image
+    log: str | None = None  # the runner's output, for a log parser (Task.log_parser)
 
 
 class HiddenTests:
@@ -103,7 +109,7 @@ class HiddenTests:
 
     async def __call__(self, trajectory: Trajectory, task: Task,
                        ctx: RewardContext) -> RewardResult:
-        if task.source_dir is None and task.hidden_tests is None:
+        if task.source_dir is None and task.hidden_tests is None and task.workdir is None:
             raise ValueError(f"task {task.id!r} has neither source_dir nor hidden_tests; "
                              "reward.tests:HiddenTests grades test-graded tasks only")
         if not (task.fail_to_pass or task.pass_to_pass or task.hidden_tests):
@@ -115,6 +121,7 @@ class HiddenTests:
                                         "all_passed": 0.0},
                                   f"not graded: {ctx.workspace.problem}")
         else:
+            task = await asyncio.to_thread(with_image_source, task)
             run = await self.grade(task, ctx.workspace or WorkspaceChanges(), ctx)
             result = score_run(task, run, self.partial_credit)
             if result.components["tamper_detected"]:
@@ -127,45 +134,69 @@ class HiddenTests:
         create = ctx.create_sandbox or _local_sandbox_factory()
         run_s = max(5.0, ctx.timeout_s - self.setup_margin_s)
         limits = dataclasses.replace(self.limits, cpu_time_s=math.ceil(run_s) + 1)
+        # An image-only task: its base is the image's repository (read out on this node);
+        # the grading folder is built from it and shown at the same path in a fresh
+        # container of the image, whose Python and dependencies run the tests.
+        task = await asyncio.to_thread(with_image_source, task)
+        workdir = task.workdir or WORKSPACE_MOUNT
         with tempfile.TemporaryDirectory(prefix="sluice-grade-") as tmp:
             dest = os.path.join(tmp, "workspace")
             os.mkdir(dest)
             layout = await asyncio.to_thread(build_grading_dir, task, changes, dest,
-                                             self.visible_tests_dir)
-            sandbox = await create(SandboxSpec(source_dir=dest, image=task.image, limits=limits))
+                                             self.visible_tests_dir, workdir=workdir)
+            sandbox = await create(SandboxSpec(source_dir=dest, image=task.image, limits=limits,
+                                               workdir=workdir))
+        in_image = task.image is not None and sandbox.capabilities().backend != "local"
         try:
             locked = await asyncio.to_thread(lock_protected, sandbox, layout.protected)
             nonce = secrets.token_hex(8)
-            settings = driver_settings(layout, nonce, run_s - 3.0)
-            result = await sandbox.exec([self.python, "-I", "-B", f"{WORKSPACE_MOUNT}/{DRIVER}"],
+            settings = (driver_settings(layout, nonce, run_s - 3.0, workdir)
+                        if task.log_parser is None else
+                        swebench_log.command_settings(task, layout, nonce, run_s - 3.0, workdir))
+            result = await sandbox.exec([self.python, "-I", "-B", f"{workdir}/{DRIVER}"],
                                         run_s, stdin=json.dumps(settings))
             driver = parse_driver_line(result.stdout, nonce)
             if driver is None:
                 problem = ("grading timed out" if result.timed_out else
                            f"the grading driver did not report (exit {result.exit_code}, "
                            f"oom_killed={result.oom_killed}): {result.stderr[-500:]}")
-                return GradingRun(None, None, problem, layout, locked)
+                return GradingRun(None, None, problem, layout, locked, in_image=in_image)
+            if task.log_parser is not None:
+                data, problem = await _read_verified(sandbox, "log.txt", driver.log_sha256)
+                log_text = None if data is None else data.decode("utf-8", "replace")
+                return GradingRun(driver, None, problem, layout, locked, in_image=in_image,
+                                  log=log_text)
             report, problem = await _read_report(sandbox, driver)
             account, stream_problem = await _read_stream(sandbox, driver)
-            return GradingRun(driver, report, problem or stream_problem, layout, locked, account)
+            return GradingRun(driver, report, problem or stream_problem, layout, locked, account,
+                              in_image=in_image)
         finally:
             await sandbox.release()
 
 
-def driver_settings(layout: GradingLayout, nonce: str, timeout_s: float) -> dict[str, Any]:
+def with_image_source(task: Task) -> Task:
+    """`task` with source_dir set to its image's repository (read out on this node) when
+    it is image-only; unchanged otherwise."""
+    source = task_source_dir(task)
+    return task if source == task.source_dir else dataclasses.replace(task, source_dir=source)
+
+
+def driver_settings(layout: GradingLayout, nonce: str, timeout_s: float,
+                    workdir: str = WORKSPACE_MOUNT) -> dict[str, Any]:
     """What the driver gets on stdin: the pytest command line (the grader's own config,
-    the folders it must not look above), the programs, and what to check afterwards."""
+    the folders it must not look above), the programs, and what to check afterwards.
+    `workdir` is where the grading sandbox shows the workspace."""
     config_dir = layout.source_config.rel_dir if layout.source_config else ""
-    args = ["-c", f"{WORKSPACE_MOUNT}/{GRADER_CONFIG}", f"--rootdir={WORKSPACE_MOUNT}",
-            f"--confcutdir={WORKSPACE_MOUNT}/{config_dir}".rstrip("/"), "-p", "no:cacheprovider",
+    args = ["-c", f"{workdir}/{GRADER_CONFIG}", f"--rootdir={workdir}",
+            f"--confcutdir={workdir}/{config_dir}".rstrip("/"), "-p", "no:cacheprovider",
             "--continue-on-collection-errors", "-q", "-o", "junit_logging=no"]
     if not layout.has_conftest:
         args.append("--noconftest")  # none in the source: any conftest.py is the agent's
     rules = layout.rules
     allowed = sorted(rules.source_modules & shadow_names()) if rules else []
-    return {"nonce": nonce, "workspace": WORKSPACE_MOUNT,
-            "runtime": f"{WORKSPACE_MOUNT}/{RUNTIME_ZIP}", "boot": f"{WORKSPACE_MOUNT}/{BOOT}",
-            "recorder": f"{WORKSPACE_MOUNT}/{RECORDER}",
+    return {"nonce": nonce, "workspace": workdir,
+            "runtime": f"{workdir}/{RUNTIME_ZIP}", "boot": f"{workdir}/{BOOT}",
+            "recorder": f"{workdir}/{RECORDER}",
             "recorder_module": f"_grading_{secrets.token_hex(4)}",
             "preload": list(runtime_preload()), "shadow_allowed": allowed,
             "runner_names": sorted(RUNNER_NAMES),
@@ -197,7 +228,8 @@ def parse_driver_line(stdout: str, nonce: str) -> DriverResult | None:
                             new_config_files=tuple(raw["new_config_files"]),
                             log_tail=str(raw["log_tail"]),
                             stream_sha256=raw.get("stream_sha256"),
-                            stream_problems=tuple(raw.get("stream_problems", ())))
+                            stream_problems=tuple(raw.get("stream_problems", ())),
+                            log_sha256=raw.get("log_sha256"))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -255,8 +287,12 @@ def expected_tests(task: Task, report: JUnitReport | None,
 def run_findings(run: GradingRun) -> list[Finding]:
     """What the run's own accounts show of tampering (reward.crosscheck, the driver)."""
     assert run.driver is not None
-    found = cross_check(run.account, run.report, run.driver.exit_code,
-                        run.driver.stream_problems, run.layout.sentinels)
+    found = [] if run.log is not None else cross_check(
+        run.account, run.report, run.driver.exit_code, run.driver.stream_problems,
+        run.layout.sentinels)
+    if run.log is not None and run.driver.stream_problems:
+        found.append(Finding("report_disagreed", "the runner's output could not be captured "
+                             f"whole: {list(run.driver.stream_problems)}"))
     if run.driver.changed_protected:
         found.append(Finding("files_tampered", "protected files changed during the run: "
                              f"{list(run.driver.changed_protected)}"))
@@ -266,34 +302,54 @@ def run_findings(run: GradingRun) -> list[Finding]:
     return found
 
 
+def run_results(task: Task, run: GradingRun) -> tuple[list[tuple[str, Outcome]], list[Finding]]:
+    """(test, outcome) of every expected test and the tampering findings of a run that
+    completed: from the JUnit report (pytest path) or swebench's parser of the runner's
+    output (log path)."""
+    found = run_findings(run)
+    if run.log is None:
+        return expected_tests(task, run.report, tuple(s.node_id for s in run.layout.sentinels)), found
+    assert run.driver is not None
+    statuses, forged = swebench_log.parse_statuses(task, run.log)
+    found += forged + swebench_log.exit_code_finding(statuses, run.driver.exit_code)
+    return [(i, statuses.get(i, Outcome.MISSING))
+            for i in (*task.fail_to_pass, *task.pass_to_pass)], found
+
+
+def grading_path(task: Task) -> str:
+    """Which grader grades `task` (the graded_by_<path> component)."""
+    return GRADER_PATH if task.log_parser is None else swebench_log.GRADER_PATH
+
+
 def score_run(task: Task, run: GradingRun, partial_credit: bool) -> RewardResult:
     """The reward and its components from a grading run (see HiddenTests)."""
     base = {"tamper_detected": 0.0, "grading_error": 0.0, "locked": float(run.locked),
-            "reverted_changes": float(run.layout.num_reverted)}
+            "reverted_changes": float(run.layout.num_reverted),
+            # Which grading path graded it (counted in reward/graded_by_*).
+            f"graded_by_{grading_path(task)}": 1.0, "graded_in_image": float(run.in_image)}
     failed = {"tests_passed_frac": 0.0, "all_passed": 0.0}
     problem = run.problem
     if not problem and run.driver is not None and run.driver.timed_out:
         problem = "the tests did not finish in time"
-    if problem or run.driver is None or run.report is None:
+    if problem or run.driver is None or (run.report is None and run.log is None):
         tail = run.driver.log_tail[-1500:] if run.driver else ""
         return RewardResult(0.0, {**base, "grading_error": 1.0, **failed},
                             f"grading error: {problem}\n{tail}".strip())
-    tampered = run_findings(run)
+    results, tampered = run_results(task, run)
     if tampered:
         result = RewardResult(0.0, {**base, "tamper_detected": 1.0, **failed},
                               "tampering detected")
         return apply_findings(result, tampered, "report")
-    if run.driver.exit_code != 1:
+    if run.log is None and run.driver.exit_code != 1:
         # Interrupted, an internal error, or a crash before the sentinels ran.
         return RewardResult(0.0, {**base, "grading_error": 1.0, **failed},
                             f"grading error: the test run did not complete (pytest exit code "
                             f"{run.driver.exit_code})\n{run.driver.log_tail[-1500:]}")
-    return _score_tests(task, run, base, partial_credit)
+    return _score_tests(task, results, base, partial_credit)
 
 
-def _score_tests(task: Task, run: GradingRun, base: dict[str, float],
+def _score_tests(task: Task, results: list[tuple[str, Outcome]], base: dict[str, float],
                  partial_credit: bool) -> RewardResult:
-    results = expected_tests(task, run.report, tuple(s.node_id for s in run.layout.sentinels))
     passed = [t for t, o in results if o is Outcome.PASSED]
     failed = [(t, o) for t, o in results if o is not Outcome.PASSED]
     frac = len(passed) / len(results) if results else 0.0

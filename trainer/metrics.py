@@ -225,8 +225,9 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
     out.update(tool_parse_counts(trajs))
     for name in sorted({k for t in samples for k in t.reward_components}):
         values = [t.reward_components.get(name, 0.0) for t in samples]
-        # Findings and failures are counts (how many trajectories); scores are means.
-        counted = name.startswith("hack_") or name in ("reward_error", "timeout")
+        # Findings, failures and grading paths (graded_by_<path>, graded_in_image) are
+        # counts (how many trajectories); scores are means.
+        counted = name.startswith(("hack_", "graded_")) or name in ("reward_error", "timeout")
         out[f"reward/{name}"] = float(np.sum(values) if counted else np.mean(values))
     return out
 

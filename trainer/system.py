@@ -22,11 +22,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
+from envs.types import Task
 from trainer.config import SluiceConfig
 from trainer.seams import RolloutSide, TrainerSide
 from trainer.controller import Controller, EnvMetrics, RunSummary
@@ -202,9 +203,20 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     return await future
 
 
-async def start_parts(cfg: SluiceConfig, model_path: str) -> Parts:
+def task_images(cfg: SluiceConfig, tasks: Sequence[Task]) -> list[str]:
+    """The container images the tasks name, for prewarm; ValueError when a task's
+    repository lives in its image and the backend cannot run images."""
+    in_image = [t.id for t in tasks if t.workdir is not None]
+    if in_image and cfg.envs.sandbox_backend != "container":
+        raise ValueError(f"tasks {in_image[:3]} keep their repository in their image; set "
+                         "envs.sandbox_backend=container")
+    return sorted({t.image for t in tasks if t.image is not None})
+
+
+async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] = ()) -> Parts:
     """Join the cluster, place the pools, start engines (and the judge), the sandbox pools
-    with their agent-loop workers, and the train ranks."""
+    (every task image in `images` made present on each one's node first) with their
+    agent-loop workers, and the train ranks."""
     from envs.pool_actor import start_sandbox_pools
     from envs.pool_metrics import PoolMetrics
     from rollout.engine import EngineSpec
@@ -223,7 +235,7 @@ async def start_parts(cfg: SluiceConfig, model_path: str) -> Parts:
     judge_path = str(resolve_model_path(cfg.reward.judge.model_path)) if cfg.reward.judge.enabled else None
     judge = await start_judge(cfg, judge_path or "", placed.get("judge"))
     judge_handles = {n: c.handle for n, c in judge.engines.items()} if judge else None
-    sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"])
+    sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"], images=images)
     workers = start_agent_workers(cfg, model_path, {n: c.handle for n, c in engines.items()},
                                   sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
     router = Router(engines)
@@ -264,7 +276,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
                    tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser)
     parts: Parts | None = None
     try:
-        parts = await start_parts(cfg, model_path)
+        parts = await start_parts(cfg, model_path, task_images(cfg, [*tasks, *eval_tasks]))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
         (run_dir / "run_info.json").write_text(json.dumps(run_info(place.recipe), indent=1))

@@ -63,6 +63,16 @@ class SandboxSpec:
     # storage, never pulled; None: the backend's default (the host's own runtime). Only
     # container backends use it; the local backend warns once and runs on the host's.
     image: str | None = None
+    # Where the workspace appears inside the sandbox, the commands' working directory:
+    # WORKSPACE_MOUNT, or where the image keeps its repository (Task.workdir, e.g.
+    # /testbed). Only container backends mount it elsewhere.
+    workdir: str = WORKSPACE_MOUNT
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.workdir) or os.path.normpath(self.workdir) != self.workdir \
+                or self.workdir == "/":
+            raise ValueError(f"SandboxSpec.workdir={self.workdir!r} must be a normalised "
+                             "absolute path below /, such as /testbed")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,6 @@ from typing import Self
 from envs.sandbox import engine as engines
 from envs.sandbox import workspace
 from envs.sandbox.base import (
-    WORKSPACE_MOUNT,
     ExecResult,
     SandboxCapabilities,
     SandboxSpec,
@@ -78,6 +77,7 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
         self._lease = lease
         self._sandbox_dir = sandbox_dir
         self._container = container
+        self._workdir = spec.workdir
         self._ws = workspace.HostWorkspace(os.path.join(sandbox_dir, "workspace"), lease.uid,
                                            config.snapshot_dir, spec.limits.disk_mb << 20)
         self._cgroup = SandboxCgroup.of_process(init_pid)
@@ -124,9 +124,12 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
             if spec.source_dir is not None:
                 await workspace.fill_from_source(spec.source_dir, ws, lease.uid)
             options = engines.build_run_options(engine, name=name, limits=spec.limits,
-                                                workspace=ws, tmp_size_mb=spec.limits.memory_mb)
+                                                workspace=ws, tmp_size_mb=spec.limits.memory_mb,
+                                                workdir=spec.workdir)
             if spec.image is None:
                 options += engines.host_runtime_mounts(os.path.join(sandbox_dir, "etc"))
+            else:
+                options += ["--env", f"PATH={engines.IMAGE_PATH}"]
             if engine.name == "docker":
                 await asyncio.to_thread(_remove_container, engine, name, config)
             container = (await asyncio.to_thread(
@@ -163,7 +166,7 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
             uid = self._lease.uid
             launcher = self._engine.command(
                 "exec", *(["-i"] if stdin is not None else []), "--user", f"{uid}:{uid}",
-                "-w", WORKSPACE_MOUNT, self._container, *argv)
+                "-w", self._workdir, self._container, *argv)
             oom_before = self._cgroup.oom_kills()
             try:
                 outcome = await run_launcher(

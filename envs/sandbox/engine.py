@@ -235,6 +235,10 @@ def host_runtime_mounts(etc_dir: str) -> list[str]:
     return args + ["--env", f"PATH={bwrap.SANDBOX_PATH}"]
 
 
+# A task image's PATH (--unsetenv-all drops the image's own environment).
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 def _without_userns_rules(names: tuple[str, ...]) -> list[dict]:
     """Rules letting clone/unshare through only without CLONE_NEWUSER (flags are their
     first argument on x86_64 and arm64), and failing clone3 with ENOSYS: its flags sit in
@@ -287,11 +291,13 @@ def seccomp_profile() -> str:
 
 
 def build_run_options(engine: ContainerEngine, *, name: str, limits: SandboxLimits,
-                      workspace: str, tmp_size_mb: int) -> list[str]:
+                      workspace: str, tmp_size_mb: int,
+                      workdir: str = WORKSPACE_MOUNT) -> list[str]:
     """`run` options every sandbox container gets (the image and its mounts follow).
     Its pid 1 is a root init that only reaps orphans: the sandbox's uid cannot signal
     it, so no command can stop the container, and every command joins it by `exec` as
-    that uid with these limits (a container's rlimits apply to its exec'd processes)."""
+    that uid with these limits (a container's rlimits apply to its exec'd processes).
+    The workspace is bound at `workdir` (an image's repository path, e.g. /testbed)."""
     # RLIMIT_NPROC counts the sandbox uid's processes (the init is root's); the pids
     # cgroup counts every task of the container, the init too.
     nproc, tasks = limits.max_processes, limits.max_processes + 1
@@ -308,8 +314,8 @@ def build_run_options(engine: ContainerEngine, *, name: str, limits: SandboxLimi
         "--ulimit", f"fsize={limits.file_size_mb << 20}:{limits.file_size_mb << 20}",
         "--ulimit", "core=0:0",
         "--tmpfs", f"/tmp:rw,nosuid,nodev,size={tmp_size_mb}m,mode=1777",
-        "-v", f"{workspace}:{WORKSPACE_MOUNT}:rw", "-w", WORKSPACE_MOUNT,
-        "--env", f"HOME={WORKSPACE_MOUNT}", "--env", "LANG=C.UTF-8",
+        "-v", f"{workspace}:{workdir}:rw", "-w", workdir,
+        "--env", f"HOME={workdir}", "--env", "LANG=C.UTF-8",
         "--user", "0:0", "-v", f"{engine.init_binary}:{INIT_PATH}:ro",
         "--entrypoint", INIT_PATH,
     ]

@@ -21,6 +21,7 @@ from typing import Literal, Self
 
 from envs.sandbox import bwrap, workspace
 from envs.sandbox.base import (
+    WORKSPACE_MOUNT,
     ExecResult,
     SandboxCapabilities,
     SandboxLimits,
@@ -83,6 +84,10 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
                              "which needs root; run the sandbox worker as root (in its "
                              "container)")
         bwrap.detect_host_runtime()  # fails early, with the fix, when a tool is missing
+        if spec.workdir != WORKSPACE_MOUNT:
+            raise ValueError(f"LocalSandbox mounts the workspace at {WORKSPACE_MOUNT} only; "
+                             f"SandboxSpec.workdir={spec.workdir!r} (a repository inside a "
+                             "task image) needs envs.sandbox_backend=container")
         if spec.image is not None and spec.image not in _warned:
             _warned.add(spec.image)
             log.warning("LocalSandbox runs commands on the host's own runtime and ignores "

@@ -21,8 +21,9 @@ import os
 from collections.abc import Callable
 
 from envs.cache import default_cache_dir
+from envs.tasks.build_swe_smith import IMAGES_SET_NAME as SWE_IMAGES_SET
 from envs.tasks.build_swe_smith import SET_NAME as SWE_SMITH_SET
-from envs.tasks.build_swe_smith import build_bundled_set
+from envs.tasks.build_swe_smith import build_bundled_image_set, build_bundled_set
 from envs.tasks.code import SET_NAME as CODE_SET
 from envs.tasks.code import build_code_tasks
 from envs.tasks.rows import read_rows, task_from_row
@@ -43,6 +44,10 @@ BUILTIN_SETS: dict[str, tuple[str, Callable[[str], list[Task]]]] = {
     # SWE-smith-style bugs in hjson, built once into the cache (about 2 minutes).
     SWE_SMITH_SET: ("swe", lambda cache_dir: _read_bundled_swe(build_bundled_set(cache_dir),
                                                                cache_dir)),
+    # The same kind of bugs in hjson and referencing, each task in its own podman image
+    # (repository at /testbed); needs envs.sandbox_backend=container (a few minutes once).
+    SWE_IMAGES_SET: ("swe", lambda cache_dir: _read_bundled_swe(
+        build_bundled_image_set(cache_dir), cache_dir)),
 }
 FORMATS = ("auto", "toy", "code", "swe", "jsonl", "parquet")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")

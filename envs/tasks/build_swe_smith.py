@@ -1,6 +1,6 @@
 """Build SWE-smith-style tasks offline from an installed open-source Python project.
 
-    python -m envs.tasks.build_swe_smith OUT_DIR [--project hjson] [--max-tasks 20]
+    python -m envs.tasks.build_swe_smith OUT_DIR [--project hjson] [--max-tasks 20] [--images]
 
 SWE-smith's recipe, on a project's released sources and tests as installed here: copy the
 package, inject a bug into one function (a procedural mutation: an operator swapped, an
@@ -20,10 +20,14 @@ on this machine rather than in an image):
                                  envs.tasks.swe exports a task's commit alone, so no agent
                                  sees the pristine tree.
 
-The tasks run on the local sandbox backend (source_dir workspaces); per-task container
-images are not built yet. Discovery runs the tests on this host with the interpreter given (the
-builder's code is trusted: the bugs are ours), grading later goes through the hardened
-path (`python -m reward.validate OUT_DIR/tasks.jsonl`).
+Without --images the tasks run on the local sandbox backend (source_dir workspaces). With
+--images every task gets its own container image (envs.tasks.images: a local root
+filesystem, the project's pinned dependencies from the package index, the repository at
+the task's base commit at /testbed), named in the row's `image_name` (SWE-smith's naming)
+with `"workdir": "/testbed"`: the row is image-only, its repository lives in the image,
+and it needs envs.sandbox_backend=container. Discovery runs the tests on this host with
+the interpreter given (the builder's code is trusted: the bugs are ours); grading later
+goes through the hardened path (`python -m reward.validate OUT_DIR/tasks.jsonl`).
 """
 
 from __future__ import annotations
@@ -56,13 +60,23 @@ class Project:
     tests: str  # the test folder, relative to the repository root
     modules: tuple[str, ...]  # source files bugs are injected into
     drop: tuple[str, ...] = ()  # files removed from the copy (tests needing unshipped assets)
+    requirements: tuple[str, ...] = ()  # pinned dependencies its image installs (name==version)
 
 
 PROJECTS = {
     "hjson": Project(repo="hjson/hjson-py", package="hjson", tests="hjson/tests",
                      modules=("hjson/decoder.py", "hjson/encoder.py", "hjson/scanner.py",
                               "hjson/encoderH.py"),
-                     drop=("hjson/tests/test_hjson.py",)),  # reads assets the wheel omits
+                     drop=("hjson/tests/test_hjson.py",),  # reads assets the wheel omits
+                     requirements=("pytest==9.2.0",)),
+    "referencing": Project(repo="python-jsonschema/referencing", package="referencing",
+                           tests="referencing/tests",
+                           modules=("referencing/_core.py", "referencing/jsonschema.py",
+                                    "referencing/retrieval.py"),
+                           # needs the JSON-Schema-Test-Suite checkout, not in the wheel
+                           drop=("referencing/tests/test_referencing_suite.py",),
+                           requirements=("attrs==26.1.0", "rpds-py==2026.9.1",
+                                         "typing-extensions==4.16.0", "pytest==9.2.0")),
 }
 IDENTITY = {"GIT_AUTHOR_NAME": "sluice", "GIT_AUTHOR_EMAIL": "sluice@localhost",
             "GIT_COMMITTER_NAME": "sluice", "GIT_COMMITTER_EMAIL": "sluice@localhost",
@@ -70,6 +84,9 @@ IDENTITY = {"GIT_AUTHOR_NAME": "sluice", "GIT_AUTHOR_EMAIL": "sluice@localhost",
             "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000"}
 SET_NAME = "swe_smith_hjson"  # the built-in set (envs.tasks) these defaults build
 BUNDLED_NUM_TASKS = 20
+IMAGES_SET_NAME = "swe_smith_images"  # the built-in set with one image per task
+IMAGES_SET_TASKS = {"hjson": 12, "referencing": 10}  # project -> tasks in that set
+WORKDIR = "/testbed"
 RESULT_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)")
 
 
@@ -210,8 +227,10 @@ def problem_statement(bug: Bug, fail_to_pass: list[str]) -> str:
 
 
 def build_tasks(out_dir: str, project_name: str = "hjson", max_tasks: int = 20,
-                max_tries: int = 80, seed: int = 0, python: str = sys.executable) -> list[dict]:
-    """Build up to `max_tasks` tasks into out_dir (see the module docstring); the rows."""
+                max_tries: int = 80, seed: int = 0, python: str = sys.executable,
+                images: bool = False, archive: bool = False) -> list[dict]:
+    """Build up to `max_tasks` tasks into out_dir (see the module docstring); the rows.
+    `images`: one container image per task (`archive`: also saved for prewarm)."""
     project = PROJECTS[project_name]
     repo = os.path.join(out_dir, "repos", project.repo.replace("/", "__"))
     if os.path.exists(repo):
@@ -256,10 +275,73 @@ def build_tasks(out_dir: str, project_name: str = "hjson", max_tasks: int = 20,
             log.info("task %d: %s.%s %s: %d F2P, %d P2P (%.1fs)", len(rows), bug.module,
                      bug.function, bug.kind, len(f2p), len(p2p), time.monotonic() - start)
     _git(repo, "checkout", "-q", pristine)  # the work tree shows no task's bug
+    if images:
+        rows = [with_image(row, repo, project, out_dir, archive) for row in rows]
     with open(os.path.join(out_dir, "tasks.jsonl"), "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return rows
+
+
+def with_image(row: dict, repo: str, project: Project, out_dir: str, archive: bool) -> dict:
+    """`row` as an image-only row: its task's image built (the repository at its base
+    commit at /testbed) and named in `image_name`."""
+    from envs.sandbox.engine import detect_engine
+    from envs.tasks.images import (build_task_image, ensure_project_image, save_archive,
+                                   swe_smith_image_name)
+    from envs.tasks.swe import export_base_snapshot
+
+    engine = detect_engine()
+    project_image = ensure_project_image(engine, project.package, project.requirements)
+    testbed = export_base_snapshot(repo, row["base_commit"], os.path.join(out_dir, "testbeds"),
+                                   row["instance_id"])
+    name = build_task_image(engine, project_image, swe_smith_image_name(
+        project.repo, row["base_commit"]), testbed)
+    if archive:
+        save_archive(engine, name)
+    return {**row, "image_name": name, "workdir": WORKDIR}
+
+
+def build_bundled_image_set(cache_dir: str) -> str:
+    """The tasks.jsonl of the built-in set IMAGES_SET_NAME (several projects, one image per
+    task), built once under `cache_dir`; images missing from this host's storage (a
+    cleaned podman store) are rebuilt from the cached repositories."""
+    from envs.cache import build_once
+
+    from importlib.metadata import version
+
+    versions = "-".join(f"{p}{version(PROJECTS[p].package)}x{n}"
+                        for p, n in sorted(IMAGES_SET_TASKS.items()))
+    dest = os.path.join(cache_dir, "swe_smith", f"images-{versions}-seed0")
+    build_once(dest, _build_image_set)
+    path = os.path.join(dest, "tasks.jsonl")
+    _ensure_images(dest, path)
+    return path
+
+
+def _build_image_set(out_dir: str) -> None:
+    rows = []
+    for name, num in sorted(IMAGES_SET_TASKS.items()):
+        sub = os.path.join(out_dir, name)
+        built = build_tasks(sub, name, num, images=True)
+        if not built:
+            raise ValueError(f"no {name} task could be built for {IMAGES_SET_NAME}")
+        rows += built
+    with open(os.path.join(out_dir, "tasks.jsonl"), "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def _ensure_images(out_dir: str, path: str) -> None:
+    """Every row's image present and built on its project's current image (rebuilt from
+    the cached repositories otherwise)."""
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    by_repo = {p.repo: (n, p) for n, p in PROJECTS.items()}
+    for row in rows:
+        name, project = by_repo[row["repo"]]
+        repo = os.path.join(out_dir, name, "repos", project.repo.replace("/", "__"))
+        with_image(row, repo, project, os.path.join(out_dir, name), archive=False)
 
 
 def build_bundled_set(cache_dir: str) -> str:
@@ -302,10 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tasks", type=int, default=20)
     parser.add_argument("--max-tries", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--images", action="store_true",
+                        help="build one container image per task (podman), image-only rows")
+    parser.add_argument("--archive", action="store_true",
+                        help="with --images: also `podman save` each image for prewarm")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
-    rows = build_tasks(args.out_dir, args.project, args.max_tasks, args.max_tries, args.seed)
+    rows = build_tasks(args.out_dir, args.project, args.max_tasks, args.max_tries, args.seed,
+                       images=args.images, archive=args.archive)
     print(f"{len(rows)} tasks in {os.path.join(args.out_dir, 'tasks.jsonl')} "
           f"({time.monotonic() - start:.0f}s)")
     return 0 if rows else 1

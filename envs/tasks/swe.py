@@ -8,14 +8,20 @@ Row fields (SWE-bench's names; others such as the gold `patch`, `hints_text`, `v
     repo_dir   local repository or snapshot folder (relative to the task file); default
                <task file folder>/repos/<repo with '/' as '__'>
     tools      optional tool names (default SWE_TOOLS)
+    workdir    where the image keeps the repository (image-only rows; default /testbed)
+    test_cmd / eval_script, log_parser   rows graded by the repository's own runner: the
+               command (ours, or the lines between SWE-bench 5.x's eval_script markers)
+               and the swebench parser of its output (default: swebench's parser of `repo`)
 
 The published variants read the same way (FIELD_ALIASES): SWE-Gym uses SWE-bench's names;
 SWE-smith rows name their image in `image_name` and carry no `test_patch` (the bug is
 injected, the repository's own tests catch it; a local row says so with "test_patch": ""); R2E-Gym rows use `docker_image`,
 `repo_name` and `commit_hash`. A row's image becomes Task.image. A row with an image and
-no local repository folder is an image-only task (source_dir None): its repository lives
-in the image, which the local sandbox backend cannot run, so such tasks need a container
-backend that seeds the workspace from the image (not built yet; see docs/tasks.md).
+no local repository folder, or with a `workdir` (ours: where the image keeps the
+repository), is an image-only task (source_dir None, Task.workdir = `workdir`, default
+IMAGE_WORKDIR): its repository lives in the image, and the container backend seeds the
+workspace from there and mounts it at that path (envs.sandbox.images); the prompt names
+that path.
 
 The agent's copy holds no history after the base commit, nor before it: the base
 commit's tree is exported through a temporary index (`git read-tree` + `checkout-index`,
@@ -38,13 +44,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from envs.cache import build_once
+from envs.sandbox.base import WORKSPACE_MOUNT
 from envs.tasks.rows import RowRef, get_str, get_str_list
 from envs.types import Message, Task
 
 SWE_TOOLS = ("bash", "read_file", "write_file", "str_replace", "submit")
+IMAGE_WORKDIR = "/testbed"  # where SWE-bench, SWE-Gym and SWE-smith images keep the repository
 SYSTEM_PROMPT = ("You are an expert software engineer working in a sandbox. The repository is "
-                 "at /workspace; use the tools to inspect and edit it.")
-PROMPT = ("Resolve the issue below by changing the repository's source code in /workspace "
+                 "at {workdir}; use the tools to inspect and edit it.")
+PROMPT = ("Resolve the issue below by changing the repository's source code in {workdir} "
           "(a git repository at the commit the issue was reported against). Do not modify "
           "or add tests: hidden tests will check your change. Call submit when you are done."
           "\n\n<issue>\n{problem_statement}\n</issue>")
@@ -71,6 +79,50 @@ def _alias(ref: RowRef, row: Mapping[str, Any], name: str) -> str | None:
     return None
 
 
+START_TEST_OUTPUT, END_TEST_OUTPUT = ">>>>> Start Test Output", ">>>>> End Test Output"
+
+
+def test_command_from_eval_script(script: str) -> str | None:
+    """The test command of a SWE-bench (5.x) `eval_script`: its lines between the start
+    and end markers (the reset and test-patch lines around them are grading's own steps
+    here); None without the markers."""
+    lines = script.splitlines()
+    start = next((i for i, line in enumerate(lines) if START_TEST_OUTPUT in line), None)
+    end = next((i for i, line in enumerate(lines) if END_TEST_OUTPUT in line), None)
+    if start is None or end is None or end <= start + 1:
+        return None
+    return "\n".join(lines[start + 1:end]).strip() or None
+
+
+def _runner(ref: RowRef, row: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(test command, swebench log parser) of a row graded by its repository's own runner:
+    `test_cmd` (ours) or SWE-bench's `eval_script`; the parser from `log_parser`, else the
+    one swebench maps the row's `repo` to. (None, None) for a pytest-node-id row."""
+    command = get_str(ref, row, "test_cmd")
+    if command is None and get_str(ref, row, "eval_script") is not None:
+        command = test_command_from_eval_script(row["eval_script"])
+        if command is None:
+            raise ref.error("eval_script", f"has no test command between the "
+                            f"{START_TEST_OUTPUT!r} and {END_TEST_OUTPUT!r} markers")
+    parser = get_str(ref, row, "log_parser")
+    if command is None:
+        if parser is not None:
+            raise ref.error("log_parser", "needs the test command (test_cmd or eval_script)")
+        return None, None
+    if parser is None:
+        repo = _alias(ref, row, "repo")
+        try:  # deferred: only rows graded through swebench's parsers need the package
+            from swebench.harness.log_parsers.python import MAP_REPO_TO_PARSER_PY
+        except ImportError:
+            raise ref.error("log_parser", "is not given and the swebench package that maps "
+                            "repositories to parsers is not installed") from None
+        if repo not in MAP_REPO_TO_PARSER_PY:
+            raise ref.error("log_parser", f"is required: swebench has no parser for repo "
+                            f"{repo!r}; name one, e.g. parse_log_django or parse_log_pytest")
+        parser = MAP_REPO_TO_PARSER_PY[repo].__name__
+    return command, parser
+
+
 def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Task:
     image = _alias(ref, row, "image")
     # R2E-Gym rows have no instance id: their image names the instance.
@@ -84,7 +136,13 @@ def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Ta
     if not fail_to_pass:
         raise ref.error("FAIL_TO_PASS", "is empty; an instance needs at least one test that the "
                         "fix makes pass")
-    repo_dir = _repo_dir(ref, row, optional=image is not None)
+    workdir = get_str(ref, row, "workdir")
+    if workdir is not None and (image is None or not workdir.startswith("/")):
+        raise ref.error("workdir", "is the absolute path of the repository inside the row's "
+                        "image (e.g. /testbed); it needs image_name / docker_image")
+    repo_dir = None if workdir is not None else _repo_dir(ref, row, optional=image is not None)
+    if repo_dir is None and image is not None:
+        workdir = workdir or IMAGE_WORKDIR
     base_commit = _alias(ref, row, "base_commit")
     source = None
     if repo_dir is not None:
@@ -93,13 +151,18 @@ def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Ta
         except ValueError as exc:
             raise ref.error("base_commit" if base_commit else "repo_dir", str(exc)) from None
     assert instance_id is not None and problem is not None
+    shown = workdir or WORKSPACE_MOUNT
+    test_command, log_parser = _runner(ref, row)
     try:
         return Task(id=instance_id, tools=get_str_list(ref, row, "tools") or SWE_TOOLS,
-                    messages=(Message("system", SYSTEM_PROMPT),
-                              Message("user", PROMPT.format(problem_statement=problem.strip()))),
-                    source_dir=source, image=image, test_patch=test_patch or None,
+                    messages=(Message("system", SYSTEM_PROMPT.format(workdir=shown)),
+                              Message("user", PROMPT.format(problem_statement=problem.strip(),
+                                                            workdir=shown))),
+                    source_dir=source, image=image, workdir=workdir,
+                    test_patch=test_patch or None,
                     fail_to_pass=fail_to_pass,
                     pass_to_pass=get_str_list(ref, row, "PASS_TO_PASS"),
+                    test_command=test_command, log_parser=log_parser,
                     reward_fn="reward.tests:HiddenTests")
     except ValueError as exc:
         raise ref.error(None, str(exc)) from None

@@ -30,6 +30,7 @@ from envs.pool import (SANDBOX_FAULT_EXIT_CODE, SandboxLease, SandboxProvider,
 from envs.sandbox.base import (WORKSPACE_MOUNT, ExecResult, SandboxLimits, SandboxSpec,
                                build_sandbox_limits)
 from envs.sandbox.changes import MAX_CHANGED_BYTES
+from envs.sandbox.images import task_source_dir
 from envs.sandbox.output import split_budget
 from envs.tools.base import ToolResult, function_schema
 from envs.types import Task, WorkspaceChanges
@@ -150,14 +151,19 @@ class SandboxSession:
         self.settings = settings
         self.lease: SandboxLease | None = None
         self.has_visible_tests = False
+        self.workdir = WORKSPACE_MOUNT  # where the workspace appears (the task's workdir)
         self._closed = False
 
     async def open(self, task: Task) -> None:
         """Acquire the sandbox for `task` and copy its visible tests in."""
         if self.lease is not None or self._closed:
             raise RuntimeError("a sandbox session is opened once per trajectory")
-        spec = SandboxSpec(source_dir=task.source_dir, image=task.image,
-                           limits=self.settings.limits)
+        self.workdir = task.workdir or WORKSPACE_MOUNT
+        # An image-only task's workspace starts as the image's repository, read out here
+        # (this worker's node is its sandbox pool's node).
+        source = await asyncio.to_thread(task_source_dir, task)
+        spec = SandboxSpec(source_dir=source, image=task.image, limits=self.settings.limits,
+                           workdir=self.workdir)
         lease = await self.provider.acquire(spec)
         try:
             await self._copy_visible_tests(lease, task)
@@ -254,11 +260,12 @@ def _files_under(root: Path) -> list[Path]:
                   and "__pycache__" not in p.parts)
 
 
-def workspace_relative(path: str) -> str:
-    """Models often write /workspace/x for the workspace's x; the sandbox wants x."""
-    if path == WORKSPACE_MOUNT:
+def workspace_relative(path: str, workdir: str = WORKSPACE_MOUNT) -> str:
+    """Models often write /workspace/x (or /testbed/x, the task's workdir) for the
+    workspace's x; the sandbox wants x."""
+    if path == workdir:
         return "."
-    prefix = WORKSPACE_MOUNT + "/"
+    prefix = workdir + "/"
     return path[len(prefix):] if path.startswith(prefix) else path
 
 
@@ -307,7 +314,8 @@ class _SandboxTool:
 class BashTool(_SandboxTool):
     name = "bash"
     schema = function_schema(
-        "bash", f"Run a bash command in the workspace ({WORKSPACE_MOUNT}). No network; files "
+        "bash", "Run a bash command in the workspace (the repository folder the task names, "
+        f"{WORKSPACE_MOUNT} unless it says otherwise). No network; files "
         "outside the workspace are read-only and /tmp is cleared after each command.",
         {"command": {"type": "string", "description": "The command, e.g. `ls -la`."}},
         required=("command",))
@@ -341,7 +349,7 @@ class ReadFileTool(_SandboxTool):
         required=("path",))
 
     async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
-        path = workspace_relative(_str_arg(arguments, "path"))
+        path = workspace_relative(_str_arg(arguments, "path"), self.session.workdir)
         lines = _decode_text(await self.session.read_file(path), path).splitlines()
         if not lines:
             return ToolResult(f"{path} is empty.")
@@ -369,7 +377,7 @@ class WriteFileTool(_SandboxTool):
         required=("path", "content"))
 
     async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
-        path = workspace_relative(_str_arg(arguments, "path"))
+        path = workspace_relative(_str_arg(arguments, "path"), self.session.workdir)
         data = _str_arg(arguments, "content").encode()
         await self.session.write_file(path, data)
         return ToolResult(f"Wrote {len(data)} bytes to {path}.")
@@ -387,7 +395,7 @@ class StrReplaceTool(_SandboxTool):
         required=("path", "old", "new"))
 
     async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
-        path = workspace_relative(_str_arg(arguments, "path"))
+        path = workspace_relative(_str_arg(arguments, "path"), self.session.workdir)
         old, new = _str_arg(arguments, "old"), _str_arg(arguments, "new")
         if not old:
             raise ValueError("`old` is empty; give the exact text to replace (use write_file "

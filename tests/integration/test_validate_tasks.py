@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from git_repo import run_git
+from git_repo import CALC, calc_repo, run_git
 from reward.validate import format_table, main, validate_file
 
-CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
-TESTS = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-         "def test_mul():\n    assert mul(2, 3) == 6\n")
 FIXED = CALC.replace("a - b", "a + b")
 NOT_FIXED = CALC.replace("    return a * b", "    # a comment changes nothing\n    return a * b")
 
@@ -35,13 +32,7 @@ def task_file(tmp_path: Path) -> Path:
     if os.geteuid() != 0 or shutil.which("bwrap") is None:
         pytest.skip("grading sandboxes need root and bubblewrap")
     repo = tmp_path / "repos" / "demo__calc"
-    (repo / "tests").mkdir(parents=True)
-    (repo / "calc.py").write_text(CALC)
-    (repo / "tests" / "test_calc.py").write_text(TESTS)
-    run_git(repo, "init", "-q", "-b", "main")
-    run_git(repo, "add", "-A")
-    run_git(repo, "commit", "-q", "-m", "bug")
-    base = run_git(repo, "rev-parse", "HEAD").strip()
+    base = calc_repo(repo)
 
     def row(name: str, patch: str, f2p: str) -> dict:
         # SWE-smith's shape: the repository's own tests, no test patch.

@@ -147,7 +147,7 @@ def test_code_task_set_layout(tmp_path: Path) -> None:
     assert len(tasks) == len(specs) >= 30
     assert set(BUILTIN_SETS) == {"toy_arithmetic", "toy_arithmetic_easy", "code_functions",
                                  "toy_arithmetic_heldout", "toy_arithmetic_easy_heldout",
-                                 "swe_smith_hjson"}
+                                 "swe_smith_hjson", "swe_smith_images"}
     for task in tasks:
         spec = specs[task.id.split("/", 1)[1]]
         assert task.reward_fn == "reward.tests:HiddenTests"

@@ -1,0 +1,136 @@
+"""Tasks whose repository lives in their image, on the real container backend (podman):
+a task image built locally (envs.tasks.images: the host-built base, the repository at
+/testbed), an image-only SWE-smith row for it, the agent's sandbox seeded from the
+image and working at /testbed, and grading in a FRESH container of the image through
+the real reward path: the gold patch scores 1, the empty patch 0, and the result says
+which path graded it. Then the swebench log-parser path (a django-style runner and
+`parse_log_django`): its rows validate, and a forged status line is caught."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from envs.tasks import load_tasks
+from git_repo import CALC, calc_repo, run_git
+from grading_tasks import grade, sandbox_factory
+from reward.validate import gold_changes, validate_file
+from reward.workspace import WorkspaceChanges
+
+
+
+@pytest.fixture(scope="module")
+def image_row(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """An image-only SWE-smith row (repository only in its image, at /testbed)."""
+    sandbox_factory("container")  # skips without root, bubblewrap or a working podman
+    from envs.sandbox.engine import detect_engine
+    from envs.tasks.images import build_task_image, ensure_project_image, swe_smith_image_name
+    from envs.tasks.swe import export_base_snapshot
+
+    tmp = tmp_path_factory.mktemp("image_task")
+    repo = tmp / "src"
+    base = calc_repo(repo)
+    (repo / "calc.py").write_text(CALC.replace("a - b", "a + b"))
+    gold = run_git(repo, "diff")
+    run_git(repo, "checkout", "calc.py")
+    engine = detect_engine()
+    testbed = export_base_snapshot(str(repo), base, str(tmp / "testbeds"), "calc")
+    image = build_task_image(engine, ensure_project_image(engine, "test-calc", ()),
+                             swe_smith_image_name("demo/calc", base), testbed)
+    row = {"instance_id": "demo__calc.1", "repo": "demo/calc", "base_commit": base,
+           "patch": gold, "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+           "PASS_TO_PASS": ["tests/test_calc.py::test_mul"], "image_name": image,
+           "problem_statement": "add() subtracts."}  # no workdir: /testbed by default
+    path = tmp / "tasks.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    shutil.rmtree(repo)  # the repository now lives only in the image
+    return path, row
+
+
+def test_image_only_row_works_and_grades_at_testbed(image_row: tuple[Path, dict]) -> None:
+    from envs.sandbox.base import SandboxSpec
+    from envs.sandbox.container import ContainerSandbox
+    from envs.sandbox.images import task_source_dir
+
+    path, row = image_row
+    [task] = load_tasks(str(path))
+    assert task.source_dir is None and task.workdir == "/testbed" and task.image == row["image_name"]
+    assert "/testbed" in task.messages[1].content and "/workspace" not in task.messages[1].content
+    source = task_source_dir(task)  # the image's /testbed, read out once per image id
+    assert Path(source, "calc.py").read_text() == CALC
+
+    async def agent_side() -> WorkspaceChanges:
+        sandbox = await ContainerSandbox.create(SandboxSpec(source_dir=source, image=task.image,
+                                                            workdir="/testbed"))
+        try:
+            result = await sandbox.exec("pwd && sed -i 's/a - b/a + b/' calc.py && "
+                                        "git status --short", 30)
+            assert result.exit_code == 0 and result.stdout.splitlines()[0] == "/testbed", result
+            assert "M calc.py" in result.stdout
+            snapshot = await sandbox.snapshot()
+        finally:
+            await sandbox.release()
+        from envs.sandbox.changes import changes_from_snapshot
+        try:
+            return changes_from_snapshot(snapshot, source, 1 << 20)
+        finally:
+            snapshot.discard()
+
+    agent_changes = asyncio.run(agent_side())
+    assert set(agent_changes.written) == {"calc.py"}  # diffed against the image's repository
+    fixed = asyncio.run(grade(task, agent_changes, "container"))
+    empty = asyncio.run(grade(task, WorkspaceChanges(), "container"))
+    assert fixed.reward == 1.0, fixed.detail
+    assert empty.reward == 0.0 and "test_add" in empty.detail
+    for result in (fixed, empty):
+        assert result.components["graded_in_image"] == 1.0
+        assert result.components["graded_by_pytest_driver"] == 1.0
+
+
+def test_validate_grades_image_rows_in_their_image(image_row: tuple[Path, dict],
+                                                    tmp_path: Path) -> None:
+    path, _ = image_row
+    verdicts = asyncio.run(validate_file(str(path), out=str(tmp_path / "valid.jsonl"),
+                                         state=str(tmp_path / "state.jsonl")))
+    assert [(v.valid, v.grader) for v in verdicts] == [(True, "pytest-driver@image")], verdicts
+
+
+@pytest.fixture(scope="module")
+def runner_rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("swebench")
+    from envs.tasks.build_runner_tasks import build_runner_tasks
+
+    out = tmp_path_factory.mktemp("runner")
+    build_runner_tasks(str(out))
+    return out / "tasks.jsonl"
+
+
+def test_runner_rows_validate_through_swebench_parser(runner_rows: Path, tmp_path: Path) -> None:
+    sandbox_factory("local")
+    verdicts = asyncio.run(validate_file(str(runner_rows), workers=2,
+                                         state=str(tmp_path / "state.jsonl")))
+    assert len(verdicts) == 5
+    assert all(v.valid and v.grader == "swebench-log" for v in verdicts), \
+        [(v.instance_id, v.reason) for v in verdicts]
+
+
+def test_runner_row_forged_status_line_is_tampering(runner_rows: Path) -> None:
+    """The agent's code prints the runner's "... ok" line for the failing test when the
+    tests import it: the real "... FAIL" line is still in the captured output."""
+    sandbox_factory("local")
+    row = json.loads(runner_rows.read_text().splitlines()[0])
+    [task] = [t for t in load_tasks(str(runner_rows)) if t.id == row["instance_id"]]
+    [f2p] = task.fail_to_pass
+    forged = Path(task.source_dir or "", "minitext/text.py").read_text() + (
+        f"\nimport sys\nprint({f2p + ' ... ok'!r}, file=sys.stderr)\n")
+    result = asyncio.run(grade(task, WorkspaceChanges(written={"minitext/text.py":
+                                                               forged.encode()})))
+    assert result.reward == 0.0 and result.components["tamper_detected"] == 1.0, result.detail
+    assert result.components["hack_report_disagreed"] == 1.0
+    assert result.components["graded_by_swebench_log"] == 1.0
+    gold = gold_changes(task, row["patch"])
+    assert asyncio.run(grade(task, gold)).reward == 1.0
