@@ -243,11 +243,13 @@ class VLLMEngine:
 
     async def receive_weights(self, version: int, wire: list[dict]) -> None:
         """Like `update_weights`, with the tensors broadcast by the trainer in the buckets
-        that `wire` plans (`rollout.weight_reload.encode_plan`)."""
-        await self._load_as_version(version, "sluice_receive_weights", (wire,))
+        that `wire` plans (`rollout.weight_reload.encode_plan`). The current version may
+        come again: a push that failed for another engine is sent again to all of them."""
+        await self._load_as_version(version, "sluice_receive_weights", (wire,), again_ok=True)
 
-    async def _load_as_version(self, version: int, method: str, args: tuple) -> None:
-        if version <= self._version:
+    async def _load_as_version(self, version: int, method: str, args: tuple,
+                               again_ok: bool = False) -> None:
+        if version < self._version or (version == self._version and not again_ok):
             raise ValueError(f"weight version must increase: engine has {self._version}, got {version}")
         async with self._update_lock:
             was_paused = self._paused

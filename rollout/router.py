@@ -198,6 +198,11 @@ class Router:
             self._poller.cancel()
             self._poller = None
 
+    def remove(self, name: str, cause: BaseException) -> None:
+        """Stop routing to an engine found failed elsewhere (a weight push); its sessions
+        move on their next call."""
+        self._remove(name, cause)
+
     def _remove(self, name: str, exc: BaseException) -> None:
         """Stop routing to a failed engine; its sessions move on their next call."""
         if name not in self._engines:

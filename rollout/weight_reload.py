@@ -7,6 +7,12 @@ arguments (they arrive as lists), so weights come as safetensors bytes, a folder
 through a broadcast group: train rank 0 is rank 0 and every engine worker a receiver.
 Only the bucket plan (names, shapes, dtypes, byte offsets) travels through the rpc; each
 bucket is one flat byte buffer broadcast in one collective call.
+
+Every collective on the weight group is bounded inside the process that runs it: a push
+has one deadline (`sync.timeout_s`) and each broadcast waits at most for what is left of
+it. A broadcast that fails or runs out of time aborts the communicator (gloo's
+`ProcessGroup.abort`, NCCL's `ncclCommAbort`) and the process drops the group, so no
+rank stays blocked in it; the next push forms a new group with the ranks that are left.
 torch, vllm and NCCL are imported inside the functions that use them.
 """
 
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -142,42 +150,154 @@ def unpack_bucket(bucket: Bucket, buffer: Any) -> Iterator[tuple[str, Any]]:
         yield slot.name, raw.view(_torch_dtype(slot.dtype)).reshape(slot.shape)
 
 
-class WeightCommunicator(Protocol):
-    """One broadcast group; vLLM's PyNcclCommunicator on GPUs, gloo on CPUs."""
+class WeightGroupError(RuntimeError):
+    """A collective on the weight group failed or ran out of time; this process has
+    aborted its communicator and left the group."""
 
-    def broadcast(self, tensor: Any, src: int) -> None: ...
+
+class Deadline:
+    """The end of one push; each collective gets what is left of it."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._end = time.monotonic() + timeout_s
+
+    def remaining_s(self) -> float:
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the weight push ran past sync.timeout_s={self.timeout_s}")
+        return left
+
+
+class WeightCommunicator(Protocol):
+    """One broadcast group; gloo on CPUs, vLLM's PyNcclCommunicator on GPUs. `broadcast`
+    returns within `timeout_s` or raises; `abort` unblocks and frees the group without
+    the other ranks (idempotent)."""
+
+    def broadcast(self, tensor: Any, src: int, timeout_s: float) -> None: ...
+    def abort(self) -> None: ...
+
+
+ABORT_KEY = "sluice/weights/abort"
+
+
+class AbortFlag:
+    """The group's shared "give up" mark, a key in its rendezvous store: a rank that
+    aborts sets it, and every rank waiting in a broadcast checks it a few times a second.
+    A dead peer does not always fail a pending send (gloo notices only on its next read),
+    so without the mark the ranks still in step would wait for their own deadline."""
+
+    CHECK_S = 0.1
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._next_check = 0.0
+
+    def raised(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.CHECK_S
+        try:
+            return bool(self._store.check([ABORT_KEY]))
+        except Exception:  # the store lives in rank 0: gone with it
+            return True
+
+    def raise_(self) -> None:
+        try:
+            self._store.set(ABORT_KEY, "1")
+        except Exception:
+            pass  # rank 0 (the store) is gone: the others find that out themselves
+
+
+def wait_for_event(is_done: Any, timeout_s: float, poll_s: float,
+                   aborted: Any = lambda: False) -> None:
+    """Poll `is_done()` until it is true; TimeoutError after `timeout_s`, WeightGroupError
+    as soon as `aborted()` (another rank gave up on the group)."""
+    end = time.monotonic() + timeout_s
+    while not is_done():
+        if time.monotonic() >= end:
+            raise TimeoutError(f"a weight broadcast did not finish within {timeout_s:.1f}s")
+        if aborted():
+            raise WeightGroupError("another rank aborted the weight group")
+        time.sleep(poll_s)
 
 
 class GlooBroadcast:
     """Broadcast over a gloo process group that lives outside torch.distributed's
     default group (CPU tensors)."""
 
+    POLL_S = 0.001
+
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
-        self._group = ProcessGroupGloo(PrefixStore("sluice/weights", store), rank, world_size,
-                                       timedelta(seconds=timeout_s))
+        self._flag = AbortFlag(store)
+        self._group: Any = ProcessGroupGloo(PrefixStore("sluice/weights", store), rank,
+                                            world_size, timedelta(seconds=timeout_s))
 
-    def broadcast(self, tensor: Any, src: int) -> None:
+    def broadcast(self, tensor: Any, src: int, timeout_s: float) -> None:
         from torch.distributed import BroadcastOptions
 
+        if self._group is None:
+            raise WeightGroupError("broadcast on an aborted weight group")
         options = BroadcastOptions()
         options.rootRank, options.rootTensor = src, 0
-        self._group.broadcast([tensor], options).wait()
+        work = self._group.broadcast([tensor], options)
+        wait_for_event(work.is_completed, timeout_s, self.POLL_S, self._flag.raised)
+        work.wait()  # raises what failed the op (a peer's connection reset)
+
+    def abort(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            self._flag.raise_()
+            group.abort()  # closes every pair: an op still queued in gloo fails, not hangs
+
+
+class NcclBroadcast:
+    """PyNcclCommunicator with a CPU-side deadline: NCCL kernels wait for a dead peer
+    forever, so the host polls an event recorded after the broadcast and aborts the
+    communicator (ncclCommAbort, which also ends the kernel) when time is up or another
+    rank gave up."""
+
+    POLL_S = 0.002
+
+    def __init__(self, comm: Any, store: Any) -> None:
+        self._comm = comm
+        self._flag = AbortFlag(store)
+
+    def broadcast(self, tensor: Any, src: int, timeout_s: float) -> None:
+        import torch
+
+        if self._comm is None:
+            raise WeightGroupError("broadcast on an aborted weight group")
+        stream = torch.cuda.current_stream(tensor.device)
+        self._comm.broadcast(tensor, src=src, stream=stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        wait_for_event(done.query, timeout_s, self.POLL_S, self._flag.raised)
+
+    def abort(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            self._flag.raise_()
+            comm.destroy()  # ncclCommAbort on a helper thread, bounded by vLLM (5 s)
 
 
 def build_weight_communicator(backend: CommBackend, host: str, port: int, rank: int,
                               world_size: int, device: Any, timeout_s: float,
                               listen_socket: socket.socket | None = None) -> WeightCommunicator:
     """Join the weight broadcast group through a TCP store at host:port, which rank 0
-    serves (from `listen_socket` when given). Blocks until all `world_size` ranks joined."""
+    serves (from `listen_socket` when given). Blocks until all `world_size` ranks joined
+    (at most `timeout_s` waiting for them in the store)."""
+    if backend == "gloo":
+        return GlooBroadcast(build_store(host, port, rank, world_size, timeout_s, listen_socket),
+                             rank, world_size, timeout_s)
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
     group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
                                          store_timeout=int(timeout_s), listen_socket=listen_socket)
-    if backend == "gloo":
-        return GlooBroadcast(group.store, rank, world_size, timeout_s)
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
     comm = PyNcclCommunicator(group, device=device)
     if comm.disabled:
@@ -185,16 +305,67 @@ def build_weight_communicator(backend: CommBackend, host: str, port: int, rank: 
         # broadcast would leave the engines on old weights.
         raise RuntimeError(f"NCCL is not available in this process (device {device}); "
                            "use sync.transport=cpu")
-    return comm
+    return NcclBroadcast(comm, group.store)
+
+
+def build_store(host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                listen_socket: socket.socket | None = None) -> Any:
+    """The group's TCP store: rank 0 serves it (from `listen_socket` when given), the
+    others connect; each waits at most `timeout_s` for the rest."""
+    from torch.distributed import TCPStore
+
+    kwargs: dict[str, Any] = {}
+    if listen_socket is not None:
+        kwargs["master_listen_fd"] = listen_socket.detach()
+    return TCPStore(host, port, world_size, rank == SENDER_RANK, timedelta(seconds=timeout_s),
+                    wait_for_workers=False, **kwargs)
+
+
+def bounded_broadcast(comm: WeightCommunicator, tensor: Any, deadline: Deadline) -> None:
+    """One broadcast from the sender within what is left of `deadline`; on any failure
+    the communicator is aborted and WeightGroupError raised (the group is gone)."""
+    try:
+        comm.broadcast(tensor, SENDER_RANK, deadline.remaining_s())
+    except BaseException as exc:
+        abort_quietly(comm)
+        raise WeightGroupError(f"weight broadcast failed, group aborted: "
+                               f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+ABORT_WAIT_S = 1.0
+
+
+def abort_quietly(comm: WeightCommunicator | None) -> None:
+    """Abort `comm` on a helper thread, waiting at most ABORT_WAIT_S: gloo's abort waits
+    for an op stuck sending to a dead peer (until gloo's own timeout), and leaving must
+    not hold the caller. The abort mark is set first, so the other ranks know at once."""
+    if comm is None:
+        return
+    thread = threading.Thread(target=_abort_logged, args=(comm,), daemon=True,
+                              name="sluice-weight-group-abort")
+    thread.start()
+    thread.join(timeout=ABORT_WAIT_S)
+
+
+def _abort_logged(comm: WeightCommunicator) -> None:
+    import logging
+
+    try:
+        comm.abort()
+    except Exception as exc:  # the group is being dropped anyway
+        logging.getLogger(__name__).warning("aborting the weight group: %s", exc)
 
 
 class BucketReceiver:
-    """Receives the planned buckets one at a time, as its iterator is consumed."""
+    """Receives the planned buckets one at a time, as its iterator is consumed, each
+    within what is left of the push's deadline."""
 
-    def __init__(self, comm: WeightCommunicator, buckets: Sequence[Bucket], device: Any) -> None:
+    def __init__(self, comm: WeightCommunicator, buckets: Sequence[Bucket], device: Any,
+                 deadline: Deadline) -> None:
         self._comm, self._buckets, self._device = comm, buckets, device
+        self._deadline = deadline
         self._next = 0
-        self._broken = False  # a broadcast failed: the group is out of step for good
+        self.failure: WeightGroupError | None = None  # the group is gone after one
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         while self._next < len(self._buckets):
@@ -207,9 +378,9 @@ class BucketReceiver:
         self._next += 1
         buffer = torch.empty(bucket.num_bytes, dtype=torch.uint8, device=self._device)
         try:
-            self._comm.broadcast(buffer, src=SENDER_RANK)
-        except BaseException:
-            self._broken = True
+            bounded_broadcast(self._comm, buffer, self._deadline)
+        except WeightGroupError as exc:
+            self.failure = exc
             raise
         return buffer
 
@@ -217,7 +388,7 @@ class BucketReceiver:
         """Receive the buckets the loader did not ask for (the sender blocks until every
         rank took every bucket); returns how many there were."""
         left = len(self._buckets) - self._next
-        while self._next < len(self._buckets) and not self._broken:
+        while self._next < len(self._buckets) and self.failure is None:
             self._receive_next()
         return left
 
@@ -239,23 +410,40 @@ class WeightReloadExtension:
 
     def sluice_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                  backend: CommBackend, timeout_s: float) -> int:
-        """Join the trainer's broadcast group as rank `rank_offset + self.rank`; returns it."""
+        """Join the trainer's broadcast group as rank `rank_offset + self.rank`; returns it.
+        A group this worker was in before is aborted first (the trainer formed a new one)."""
+        self.sluice_drop_weight_group()
         rank = rank_offset + self.rank  # type: ignore[attr-defined]
         self._sluice_comm = build_weight_communicator(backend, host, port, rank, world_size,
                                                       self.device, timeout_s)  # type: ignore[attr-defined]
+        self._sluice_timeout_s = timeout_s
         return rank
+
+    def sluice_drop_weight_group(self) -> None:
+        abort_quietly(getattr(self, "_sluice_comm", None))
+        self._sluice_comm = None
 
     def sluice_receive_weights(self, wire: list[dict[str, Any]]) -> None:
         """Receive the planned buckets from the trainer and load them in place, one bucket
-        in memory at a time."""
+        in memory at a time, within sync.timeout_s. When a broadcast fails the group is
+        aborted and dropped, and this raises WeightGroupError: the weights are then partly
+        loaded, and the trainer sends them again through a new group."""
         comm = getattr(self, "_sluice_comm", None)
         if comm is None:
-            raise RuntimeError("sluice_receive_weights before sluice_init_weight_group")
-        receiver = BucketReceiver(comm, decode_plan(wire), self.device)  # type: ignore[attr-defined]
+            raise WeightGroupError("no weight group: sluice_receive_weights before "
+                                   "sluice_init_weight_group, or the last push aborted it")
+        receiver = BucketReceiver(comm, decode_plan(wire), self.device,  # type: ignore[attr-defined]
+                                  Deadline(self._sluice_timeout_s))
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(receiver))  # type: ignore[attr-defined]
-        finally:
-            unread = receiver.drain()  # keeps the group in step even when loading failed
+            try:
+                self.model_runner.reload_weights(weights_iterator=iter(receiver))  # type: ignore[attr-defined]
+            finally:
+                unread = receiver.drain()  # keeps the group in step even when loading failed
+        except BaseException:
+            if receiver.failure is None:
+                raise
+            self._sluice_comm = None  # aborted by the failed broadcast
+            raise receiver.failure from None
         if unread:
             raise RuntimeError(f"the model loader stopped before {unread} weight buckets")
 

@@ -122,12 +122,15 @@ class LossConfig:
 
 @dataclass(frozen=True, slots=True)
 class SyncConfig:
-    transport: Literal["auto", "nccl", "cpu"] = knob(
-        "auto", "Weight push transport; auto: nccl on cuda, cpu (safetensors bytes) on cpu.")
+    transport: Literal["auto", "nccl", "gloo", "cpu"] = knob(
+        "auto", "Weight push transport; auto: nccl on cuda, cpu (safetensors bytes) on cpu; "
+        "gloo: the broadcast path of nccl over a gloo group (CPU clusters, tests).")
     bucket_mb: int = knob(512, "Size of one weight bucket.")
     verify_checksum: bool = knob(True, "Engines confirm a checksum of a few tensors; a "
                                  "mismatch stops training.")
-    timeout_s: float = knob(300.0, "Limit of one weight push.")
+    timeout_s: float = knob(300.0, "Limit of one weight push; on the broadcast transports every "
+                            "rank bounds each step by it, then leaves the group (a failed "
+                            "engine is dropped and the push goes on with the rest).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,3 +265,5 @@ def check_config(cfg: SluiceConfig) -> None:
              f"need 0 <= loss.is_min < 1 < loss.is_max, got [{lo.is_min}, {lo.is_max}]")
     _require(not (cfg.sync.transport == "nccl" and cpu), "sync.transport",
              "nccl needs cluster.device=cuda; use auto or cpu")
+    _require(not (cfg.sync.transport == "gloo" and not cpu), "sync.transport",
+             "gloo broadcasts CPU tensors; on cluster.device=cuda use nccl (or auto)")

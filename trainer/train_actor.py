@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from envs.types import Trajectory
 from rollout.router import Router
 from trainer.config import SluiceConfig
 from trainer.seams import TrainOutcome
-from trainer.weight_sync import WeightTransport, push_weights
+from trainer.weight_sync_nccl import BroadcastTransport
 
 
 @ray.remote
@@ -43,7 +44,7 @@ class TrainRankActor:
                                      device="cuda" if cfg.cluster.device == "cuda" else "cpu",
                                      temperature=cfg.rollout.temperature,
                                      config_overrides=overrides)
-        self.sender: Any = None  # rank 0's WeightSender once the weight group is opened
+        self.pusher: Any = None  # rank 0's BroadcastPusher (the weight group) once it pushed
 
     def train_step(self, trajectories: list[Trajectory], advantages: np.ndarray) -> Any:
         return self.backend.train_step(trajectories, advantages, self.cfg.loss)
@@ -79,28 +80,32 @@ class TrainRankActor:
     def version(self) -> int:
         return self.backend.version
 
-    def open_weight_group(self, backend: str, timeout_s: float) -> tuple[str, int]:
-        """Rank 0 only: bind the weight group's rendezvous on this node; (host, port)."""
+    def push_broadcast(self, version: int, engine_handles: dict[str, Any], verify: bool) -> Any:
+        """Rank 0: plan, send and verify `version` through the weight broadcast group
+        (formed again whenever the engines change); a BroadcastOutcome, no tensors."""
+        from rollout.engine_actor import RayEngineClient
+
+        if self.pusher is None:
+            self.pusher = self._build_pusher()
+        engines = {n: RayEngineClient(h) for n, h in engine_handles.items()}
+        return asyncio.run(self.pusher.push(version, engines, BackendWeights(self.backend), verify))
+
+    def walk_push(self) -> None:
+        """Ranks > 0: walk the weights with rank 0's push (a gather per tensor under ZeRO-3)."""
+        for _ in BackendWeights(self.backend).walk():
+            pass
+
+    def _build_pusher(self) -> Any:
         import torch
 
-        from trainer.weight_sync_nccl import WeightSender
+        from trainer.weight_sync import resolve_transport
+        from trainer.weight_sync_nccl import BroadcastPusher
 
-        device = torch.device("cuda", torch.cuda.current_device()) if self.cfg.cluster.device == "cuda" else "cpu"
-        self.sender = WeightSender(backend, device, timeout_s)  # type: ignore[arg-type]
-        return self.sender.listen(ray.util.get_node_ip_address())
-
-    def connect_weight_group(self, world_size: int) -> None:
-        self.sender.connect(world_size)
-
-    def send_weights(self, wire: list[dict]) -> None:
-        """Every rank walks the weights (a gather under ZeRO-3); rank 0 broadcasts them."""
-        walk = getattr(self.backend, "iter_push_tensors", None)  # one full tensor at a time
-        tensors = walk() if walk is not None else iter(self.backend.state_dict_for_push().items())
-        if self.sender is None:
-            for _ in tensors:
-                pass
-        else:
-            self.sender.send(wire, tensors)
+        cuda = self.cfg.cluster.device == "cuda"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
+        return BroadcastPusher(resolve_transport(self.cfg), ray.util.get_node_ip_address(),  # type: ignore[arg-type]
+                               device, self.cfg.sync.bucket_mb << 20, self.cfg.rollout.tp_size,
+                               self.cfg.sync.timeout_s)
 
     def save_state(self, folder: str) -> None:
         self.backend.save_state(folder)
@@ -114,6 +119,24 @@ def _node_address_and_port() -> tuple[str, int]:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return ray.util.get_node_ip_address(), int(s.getsockname()[1])
+
+
+class BackendWeights:
+    """A backend's weights as trainer.weight_sync_nccl.WeightSource: shapes without a
+    gather where the backend can tell them, and its one-tensor-at-a-time walk."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def specs(self) -> list:
+        from trainer.weight_sync_nccl import specs_of
+
+        push_specs = getattr(self.backend, "push_specs", None)
+        return push_specs() if push_specs is not None else specs_of(self.backend.state_dict_for_push())
+
+    def walk(self) -> Iterator[tuple[str, Any]]:
+        walk = getattr(self.backend, "iter_push_tensors", None)  # one full tensor at a time
+        return walk() if walk is not None else iter(self.backend.state_dict_for_push().items())
 
 
 class TrainGroup:
@@ -150,15 +173,14 @@ class TrainGroup:
         refs = [rank.state_dict_for_push.remote() for rank in self.ranks]
         return (await asyncio.gather(*refs))[0]  # a collective on every rank; rank 0's copy
 
-    # The weight broadcast group (trainer.weight_sync_nccl.WeightSenderClient): rank 0 sends.
-    async def open_weight_group(self, backend: str, timeout_s: float) -> tuple[str, int]:
-        return await self.ranks[0].open_weight_group.remote(backend, timeout_s)
-
-    async def connect_weight_group(self, world_size: int) -> None:
-        await self.ranks[0].connect_weight_group.remote(world_size)
-
-    async def send_weights(self, wire: list[dict]) -> None:
-        await asyncio.gather(*(rank.send_weights.remote(wire) for rank in self.ranks))
+    async def push_broadcast(self, version: int, engines: Mapping[str, Any], verify: bool) -> Any:
+        """trainer.weight_sync_nccl.WeightSenderClient: rank 0 pushes `version` to `engines`
+        (RayEngineClients) while the other ranks walk their weights with it; rank 0's
+        BroadcastOutcome. Only the version, the handles and the outcome cross the driver."""
+        handles = {n: e.handle for n, e in engines.items()}
+        refs = [self.ranks[0].push_broadcast.remote(version, handles, verify)]
+        refs += [rank.walk_push.remote() for rank in self.ranks[1:]]
+        return (await asyncio.gather(*refs))[0]
 
     # Blocking: the controller calls these from a thread (trainer.checkpoint is synchronous).
     def save_state(self, folder: str | Path) -> None:
@@ -171,15 +193,16 @@ class TrainGroup:
 
 class RayTrainer:
     """The controller's TrainerSide: trains on the train group and pushes its weights to
-    the engines behind `router`, verified.
+    the engines behind `router`, verified; either way train rank 0 sends and the driver
+    never holds the weights.
 
-    CPU transport: the weights go from train rank 0 to the engines directly
-    (`prepare_weights` gathers and encodes them on the ranks while rollout goes on,
-    `push_weights` sends them with the gates closed); the driver never holds them. The
-    broadcast transport (`transport` given, NCCL) still plans its buckets from a copy of
-    the state on the driver."""
+    CPU transport (`transport` None): `prepare_weights` gathers and encodes them on the
+    ranks while rollout goes on, `push_weights` has rank 0 send them with the gates
+    closed. Broadcast transport (nccl, gloo): rank 0 plans, broadcasts and verifies
+    (`BroadcastTransport.push`); an engine that fails during the push is dropped from the
+    router and the push goes on with the others."""
 
-    def __init__(self, group: TrainGroup, router: Router, transport: WeightTransport | None,
+    def __init__(self, group: TrainGroup, router: Router, transport: BroadcastTransport | None,
                  verify: bool = True) -> None:
         self.group = group
         self.router = router
@@ -202,9 +225,7 @@ class RayTrainer:
             self.last_push = await self.group.ranks[0].send_push.remote(version, handles,
                                                                        self.verify)
             return
-        state = await self.group.state_dict_for_push()
-        self.last_push = await push_weights(self.router, state, version, verify=self.verify,
-                                            transport=self.transport)
+        self.last_push = await self.transport.push(self.router, version, verify=self.verify)
 
     def save_state(self, folder: str | Path) -> None:
         self.group.save_state(folder)

@@ -1,21 +1,24 @@
 """Weight push from the trainer to the rollout engines, verified.
 
-Two transports behind one entry, `push_weights`. CPU: the full state dict is serialised
-once as safetensors bytes and every engine loads it in place (`rollout.weight_reload`).
-NCCL (GPU clusters, `trainer.weight_sync_nccl`): train rank 0 broadcasts bucketed weights
-to every engine worker through a group of their own. Afterwards each engine reports a
+Two ways, both from train rank 0: the driver hands over a version and gets a verified
+PushResult, never the weights. CPU transport: rank 0 serialises the full state as
+safetensors bytes once and every engine loads them in place (`send_prepared`;
+`push_weights` does the same from a state dict in this process). Broadcast transport
+(`trainer.weight_sync_nccl`; NCCL on GPU clusters, gloo on CPU ones): rank 0 broadcasts
+bucketed weights to every engine worker through a group of their own, each step bounded
+in time, and a failed engine is dropped from the group. Afterwards each engine reports a
 checksum of a few tensors and its version; any mismatch stops training with an error,
 because an engine silently serving stale weights corrupts every later batch.
 
-The controller calls `push_weights` at a turn boundary: after closing every worker's
-turn gate (in-flight turns drained) and before opening them again.
+The controller pushes at a turn boundary: after closing every worker's turn gate
+(in-flight turns drained) and before opening them again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,7 +29,7 @@ from rollout.weight_reload import checksum_tensors
 
 if TYPE_CHECKING:
     from trainer.config import SluiceConfig
-    from trainer.weight_sync_nccl import WeightSenderClient
+    from trainer.weight_sync_nccl import BroadcastTransport, WeightSenderClient
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,10 @@ class PushResult:
     version: int
     num_bytes: int
     seconds: float
-    encode_s: float
-    engines: tuple[str, ...]
+    encode_s: float  # serialising (cpu) or planning buckets (broadcast)
+    engines: tuple[str, ...]  # the engines that serve `version`, verified
+    failed_engines: tuple[str, ...] = ()  # gone during the push, removed from the router
+    attempts: int = 1  # broadcast: pushes of this version (a failed one forms a new group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,27 +77,28 @@ class CpuTransport:
 
 
 def resolve_transport(cfg: "SluiceConfig") -> str:
-    """The transport a run uses: 'cpu' or 'nccl'; ValueError for nccl without GPUs."""
+    """The transport a run uses: 'cpu', 'nccl' or 'gloo'; ValueError for nccl without GPUs."""
     transport = cfg.sync.transport
     if transport == "auto":
         transport = "nccl" if cfg.cluster.device == "cuda" else "cpu"
     if transport == "nccl" and cfg.cluster.device != "cuda":
         raise ValueError(f"sync.transport=nccl broadcasts between GPUs but cluster.device="
-                         f"{cfg.cluster.device}; set sync.transport=cpu (or auto)")
+                         f"{cfg.cluster.device}; set sync.transport=cpu (or auto, or gloo)")
     return transport
 
 
-def build_transport(cfg: SluiceConfig, sender: WeightSenderClient | None = None) -> WeightTransport:
-    """The transport `cfg` asks for; nccl needs `sender`, the train group (rank 0 sends)."""
+def build_transport(cfg: SluiceConfig, sender: WeightSenderClient | None = None
+                    ) -> CpuTransport | BroadcastTransport:
+    """The transport `cfg` asks for; a broadcast (nccl, gloo) needs `sender`, the train
+    group (its rank 0 plans and sends)."""
     if resolve_transport(cfg) == "cpu":
         return CpuTransport()
     if sender is None:
-        raise ValueError("sync.transport=nccl needs the train group to send from rank 0; "
-                         "pass it as sender, or set sync.transport=cpu")
+        raise ValueError(f"sync.transport={resolve_transport(cfg)} needs the train group to "
+                         "send from rank 0; pass it as sender, or set sync.transport=cpu")
     from trainer.weight_sync_nccl import BroadcastTransport
 
-    return BroadcastTransport(sender, "nccl", bucket_bytes=cfg.sync.bucket_mb << 20,
-                              tp_size=cfg.rollout.tp_size, timeout_s=cfg.sync.timeout_s)
+    return BroadcastTransport(sender, timeout_s=cfg.sync.timeout_s)
 
 
 def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
@@ -103,9 +109,13 @@ def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
 
 
 def checksum_names(state: Mapping[str, torch.Tensor]) -> list[str]:
+    return choose_checksum_names((n, t.ndim) for n, t in state.items())
+
+
+def choose_checksum_names(names_ndims: Iterable[tuple[str, int]]) -> list[str]:
     """Tensors both sides hold under the same name and shape: engines fuse projections and
-    pad vocabularies, but keep norm weights as they are."""
-    names = [n for n, t in state.items() if t.ndim == 1 and n.endswith("norm.weight")]
+    pad vocabularies, but keep norm weights as they are. Takes (name, ndim) pairs."""
+    names = [n for n, ndim in names_ndims if ndim == 1 and n.endswith("norm.weight")]
     if not names:
         raise WeightSyncError("no norm weights to checksum in the pushed state; cannot verify")
     step = max(1, len(names) // MAX_CHECKSUM_TENSORS)
@@ -150,8 +160,9 @@ async def send_prepared(router: Router, blob: bytes, expected: tuple[list[str], 
 
 async def push_weights(router: Router, state: Mapping[str, torch.Tensor], version: int,
                        verify: bool = True, transport: WeightTransport | None = None) -> PushResult:
-    """Send `state` (Hugging Face names) to every engine as `version` through `transport`
-    (`build_transport(cfg, ...)`; None: the CPU transport); verify if asked."""
+    """Send `state` (Hugging Face names), held in this process, to every engine as
+    `version` through `transport` (None: the CPU transport); verify if asked. The broadcast
+    transport pushes from rank 0 instead (`BroadcastTransport.push`)."""
     start = time.monotonic()
     sent = await (transport or CpuTransport()).send(router, state, version)
     if verify:

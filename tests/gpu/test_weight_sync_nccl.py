@@ -14,7 +14,7 @@ import torch
 
 from rollout.engine import EngineSpec, Sampling, VLLMEngine
 from rollout.router import Router
-from trainer.weight_sync import WeightSyncError, push_weights, verify_engines
+from trainer.weight_sync import WeightSyncError, verify_engines
 from trainer.weight_sync_nccl import BroadcastTransport, LocalSender
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
@@ -46,12 +46,14 @@ async def test_nccl_push_is_served_and_verified(router, tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     model = model.to(TRAINER_DEVICE).eval()
     current: dict[str, torch.Tensor] = {}
-    sender = LocalSender(lambda: iter(current.items()), host="127.0.0.1", device=TRAINER_DEVICE)
-    transport = BroadcastTransport(sender, "nccl", bucket_bytes=1 << 20, tp_size=1, timeout_s=120)
+    sender = LocalSender(lambda: current, "nccl", bucket_bytes=1 << 20, timeout_s=120,
+                         host="127.0.0.1", device=TRAINER_DEVICE)
+    transport = BroadcastTransport(sender, timeout_s=120)
     for version, seed in [(1, 1), (2, 2)]:
         current = perturbed(model, seed)
-        result = await push_weights(router, current, version, transport=transport)
+        result = await transport.push(router, version)
         assert result.version == version and result.num_bytes > 1 << 20  # several buckets
+        assert result.attempts == 1 and sender.pusher.num_groups_formed == 1
         model.load_state_dict(current)
         out = await router._engines["engine-0"].generate(f"check-{version}", PROMPT,
                                                          Sampling(16, seed=3))

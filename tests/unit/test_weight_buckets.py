@@ -1,11 +1,14 @@
 """The broadcast weight transport's pure parts: bucket planning under a byte budget, the
 plan's trip through the rpc, packing and unpacking bytes, the group layout, the
-rendezvous socket and the transport choice from config."""
+rendezvous socket, the transport choice from config, the deadline every collective waits
+under, and the driver's policy when rank 0 reports engines that failed a push."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -129,9 +132,14 @@ def test_transport_follows_the_config():
     assert isinstance(build_transport(load_config("quickstart.yaml")), CpuTransport)
     transport = build_transport(gpu, sender=object())  # type: ignore[arg-type]
     assert isinstance(transport, BroadcastTransport)
-    assert transport.bucket_bytes == gpu.sync.bucket_mb << 20 and transport.tp_size == gpu.rollout.tp_size
+    assert transport.timeout_s == gpu.sync.timeout_s
     with pytest.raises(ValueError, match="sender"):
         build_transport(gpu)
+    gloo = build_config({"sync": {"transport": "gloo"}})
+    assert resolve_transport(gloo) == "gloo"
+    assert isinstance(build_transport(gloo, sender=object()), BroadcastTransport)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gloo broadcasts CPU tensors"):
+        build_config({"cluster": {"device": "cuda"}, "sync": {"transport": "gloo"}})
     assert resolve_transport(build_config({"cluster": {"device": "cuda"},
                                            "sync": {"transport": "cpu"}})) == "cpu"
 
@@ -144,3 +152,87 @@ def test_nccl_on_cpu_is_rejected_naming_the_fix():
     object.__setattr__(cfg.sync, "transport", "nccl")
     with pytest.raises(ValueError, match="set sync.transport=cpu"):
         resolve_transport(cfg)
+
+
+def test_a_deadline_bounds_every_wait_and_then_refuses():
+    from rollout.weight_reload import Deadline, wait_for_event
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        wait_for_event(lambda: False, 0.05, 0.005)  # a broadcast that never completes
+    assert time.monotonic() - start < 1.0
+    polls = iter([False, False, True])
+    wait_for_event(lambda: next(polls), 5.0, 0.001)  # returns once done
+    deadline = Deadline(0.05)
+    assert 0 < deadline.remaining_s() <= 0.05
+    time.sleep(0.06)
+    with pytest.raises(TimeoutError, match="sync.timeout_s=0.05"):
+        deadline.remaining_s()
+
+
+class FakeRankZero:
+    """Stands in for train rank 0's BroadcastPusher: replays scripted outcomes and
+    records which engines each attempt was asked to push to."""
+
+    def __init__(self, outcomes):
+        self.outcomes = list(outcomes)
+        self.asked: list[tuple[str, ...]] = []
+
+    async def push_broadcast(self, version, engines, verify):
+        self.asked.append(tuple(engines))
+        return self.outcomes.pop(0)
+
+
+def outcome(served, failures=(), **errors):
+    from trainer.weight_sync_nccl import BroadcastOutcome
+
+    return BroadcastOutcome(7, 1000, 0.0, 0.1, tuple(served), tuple(failures), **errors)
+
+
+def fake_router(names):
+    from rollout.router import Router
+
+    return Router({n: object() for n in names})  # type: ignore[misc]
+
+
+def test_the_driver_drops_gone_engines_and_pushes_again_to_the_rest():
+    from trainer.weight_sync_nccl import BroadcastTransport, EngineFailure
+
+    router = fake_router(["e0", "e1", "e2"])
+    rank0 = FakeRankZero([
+        outcome([], [EngineFailure("e1", "RayActorError: died", gone=True),
+                     EngineFailure("e0", "WeightGroupError: reset by peer", gone=False),
+                     EngineFailure("e2", "WeightGroupError: reset by peer", gone=False)]),
+        outcome(["e0", "e2"])])
+    result = asyncio.run(BroadcastTransport(rank0, timeout_s=5).push(router, 7))
+    assert rank0.asked == [("e0", "e1", "e2"), ("e0", "e2")]  # the second group is smaller
+    assert router.engine_names == ("e0", "e2") and router.stats().failed_engines == ("e1",)
+    assert (result.version, result.engines, result.failed_engines, result.attempts) == (
+        7, ("e0", "e2"), ("e1",), 2)
+
+
+def test_an_engine_gone_after_taking_nothing_does_not_need_a_second_push():
+    from trainer.weight_sync_nccl import BroadcastTransport, EngineFailure
+
+    router = fake_router(["e0", "e1"])
+    rank0 = FakeRankZero([outcome(["e0"], [EngineFailure("e1", "no answer", gone=True)])])
+    result = asyncio.run(BroadcastTransport(rank0, timeout_s=5).push(router, 7))
+    assert (result.engines, result.failed_engines, result.attempts) == (("e0",), ("e1",), 1)
+    assert router.engine_names == ("e0",)
+
+
+def test_a_push_fails_loudly_when_rank_zero_breaks_checksums_differ_or_attempts_run_out():
+    from trainer.weight_sync import WeightSyncError
+    from trainer.weight_sync_nccl import MAX_ATTEMPTS, BroadcastTransport, EngineFailure
+
+    cases = [([outcome([], sender_error="ValueError: weights to send differ from the plan")],
+              "differ from the plan"),
+             ([outcome(["e0", "e1"], verify_error="engines ['e1'] serve other weights")],
+              "serve other weights"),
+             ([outcome(["e0"], [EngineFailure("e1", "WeightGroupError: x", gone=False)])] * MAX_ATTEMPTS,
+              f"in {MAX_ATTEMPTS} attempts")]
+    for outcomes, message in cases:
+        rank0 = FakeRankZero(outcomes)
+        with pytest.raises(WeightSyncError, match=message):
+            asyncio.run(BroadcastTransport(rank0, timeout_s=5).push(fake_router(["e0", "e1"]), 7))
+        assert not rank0.outcomes  # no attempt beyond the scripted ones

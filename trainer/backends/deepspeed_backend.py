@@ -185,6 +185,12 @@ class DeepSpeedBackend:
                 full = tensor.detach().clone()
             yield name, full
 
+    def push_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
+        """(name, full shape, dtype name, element size) of what `iter_push_tensors` yields,
+        in its order, without gathering anything (a ZeRO-3 shard knows its full shape)."""
+        return [(name, tuple(getattr(t, "ds_shape", t.shape)), str(t.dtype).removeprefix("torch."),
+                 t.element_size()) for name, t in iter_weight_names(self._engine.module)]
+
     def save_state(self, folder: str | Path) -> None:
         """Model, optimizer, scheduler and version (DeepSpeed's own sharded format; every
         rank writes its shard, so all ranks call it)."""
