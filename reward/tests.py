@@ -35,6 +35,7 @@ import math
 import os
 import secrets
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,11 @@ class GradingRun:
     account: RunAccount = dataclasses.field(default_factory=RunAccount)
     in_image: bool = False  # graded in a container of the task's own image
     log: str | None = None  # the runner's output, for a log parser (Task.log_parser)
+    # Wall seconds of the phases: the grading folder (base copy, changes, test patch), the
+    # fresh sandbox's create (container start), the driver's run (the tests)
+    prepare_s: float = 0.0
+    start_s: float = 0.0
+    tests_s: float = 0.0
 
 
 class HiddenTests:
@@ -139,14 +145,18 @@ class HiddenTests:
         # container of the image, whose Python and dependencies run the tests.
         task = await asyncio.to_thread(with_image_source, task)
         workdir = task.workdir or WORKSPACE_MOUNT
+        start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="sluice-grade-") as tmp:
             dest = os.path.join(tmp, "workspace")
             os.mkdir(dest)
             layout = await asyncio.to_thread(build_grading_dir, task, changes, dest,
                                              self.visible_tests_dir, workdir=workdir)
+            prepared = time.monotonic()
             sandbox = await create(SandboxSpec(source_dir=dest, image=task.image, limits=limits,
                                                workdir=workdir))
+        started = time.monotonic()
         in_image = task.image is not None and sandbox.capabilities().backend != "local"
+        phases = {"prepare_s": prepared - start, "start_s": started - prepared}
         try:
             locked = await asyncio.to_thread(lock_protected, sandbox, layout.protected)
             nonce = secrets.token_hex(8)
@@ -155,21 +165,23 @@ class HiddenTests:
                         swebench_log.command_settings(task, layout, nonce, run_s - 3.0, workdir))
             result = await sandbox.exec([self.python, "-I", "-B", f"{workdir}/{DRIVER}"],
                                         run_s, stdin=json.dumps(settings))
+            phases["tests_s"] = result.duration_s
             driver = parse_driver_line(result.stdout, nonce)
             if driver is None:
                 problem = ("grading timed out" if result.timed_out else
                            f"the grading driver did not report (exit {result.exit_code}, "
                            f"oom_killed={result.oom_killed}): {result.stderr[-500:]}")
-                return GradingRun(None, None, problem, layout, locked, in_image=in_image)
+                return GradingRun(None, None, problem, layout, locked, in_image=in_image,
+                                  **phases)
             if task.log_parser is not None:
                 data, problem = await _read_verified(sandbox, "log.txt", driver.log_sha256)
                 log_text = None if data is None else data.decode("utf-8", "replace")
                 return GradingRun(driver, None, problem, layout, locked, in_image=in_image,
-                                  log=log_text)
+                                  log=log_text, **phases)
             report, problem = await _read_report(sandbox, driver)
             account, stream_problem = await _read_stream(sandbox, driver)
             return GradingRun(driver, report, problem or stream_problem, layout, locked, account,
-                              in_image=in_image)
+                              in_image=in_image, **phases)
         finally:
             await sandbox.release()
 

@@ -121,3 +121,38 @@ def test_documented_example_rows_load() -> None:
     smith, r2e = load_tasks(str(example))
     assert smith.image and smith.test_patch is None and smith.pass_to_pass
     assert r2e.id == r2e.image == "r2e.demo_calc:5e6f7a8b" and r2e.test_patch
+
+
+def test_documented_image_rows_load_as_image_only_tasks() -> None:
+    """docs/examples/swe_image_rows.jsonl: a SWE-smith row of the bundled set and a
+    SWE-bench (5.x) row of the runner-graded minitext repository, both image-only."""
+    example = Path(__file__).parents[2] / "docs" / "examples" / "swe_image_rows.jsonl"
+    smith, runner = load_tasks(str(example))
+    for task in (smith, runner):
+        assert task.source_dir is None and task.workdir == "/testbed" and task.image
+        assert "/testbed" in task.messages[0].content and "/testbed" in task.messages[1].content
+        assert_no_gold(task)
+    assert smith.log_parser is None and smith.test_command is None
+    assert runner.log_parser == "parse_log_django"
+    # The command between SWE-bench's markers, not the reset and patch lines around it.
+    assert runner.test_command == ("python3 tests/runtests.py --verbosity 2 "
+                                   "text_tests.tests text_tests.test_regressions")
+    assert runner.fail_to_pass[0].startswith("test_strips_edges (text_tests.")
+
+
+def test_runner_row_needs_its_command_and_a_parser(tmp_path: Path) -> None:
+    row = {"instance_id": "x-1", "repo": "someone/unknown", "base_commit": "abc",
+           "image_name": "localhost/x", "problem_statement": "p", "test_patch": "",
+           "FAIL_TO_PASS": ["test_a (m.C.test_a)"], "test_cmd": "python3 run.py"}
+    with pytest.raises(ValueError, match=r"field 'log_parser': is (required|not given)"):
+        load_tasks(write_jsonl(tmp_path / "a.jsonl", [row]))
+    row["eval_script"], row["log_parser"] = "echo no markers", "parse_log_django"
+    del row["test_cmd"]
+    with pytest.raises(ValueError, match=r"field 'eval_script': has no test command"):
+        load_tasks(write_jsonl(tmp_path / "b.jsonl", [row]))
+    row["eval_script"] = ": '>>>>> Start Test Output'\npython3 run.py\n: '>>>>> End Test Output'"
+    [task] = load_tasks(write_jsonl(tmp_path / "c.jsonl", [row]))
+    assert task.test_command == "python3 run.py" and task.fail_to_pass == ("test_a (m.C.test_a)",)
+    row["workdir"] = "relative"
+    with pytest.raises(ValueError, match=r"field 'workdir': is the absolute path"):
+        load_tasks(write_jsonl(tmp_path / "d.jsonl", [row]))
