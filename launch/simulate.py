@@ -1,6 +1,7 @@
 """Virtual-clock simulator: `python -m launch.simulate recipe=NAME.yaml [section.key=value ...]
 --mode sync|async [--steps N] [--tail none|seed] [--sandboxes stateful|releasable]
-[--token-unit N] [--seed N] [--double-in-flight] [--json] [--trace FILE]`.
+[--token-unit N] [--seed N] [--worker model|real] [--double-in-flight] [--json]
+[--trace FILE]`.
 
 Runs the real `Controller` and `ReplayBuffer` (admission bound, staleness, accounting),
 the real `Router` (sticky, least-loaded first turn) and `TurnGate` (pushes at turn
@@ -11,8 +12,11 @@ with queueing) and trainer (launch.sim.trainer_model: the planner's step formula
 bytes over bandwidth). The workload is the recipe's `plan` section, as for the planner,
 whose accounts are printed beside the simulator's.
 
-Not the real agent-loop worker: trajectories are coroutines of `launch.sim.sides` that go
-through the router and gate but skip tokenisation, tool parsing and reward functions.
+Trajectories: by default coroutines of `launch.sim.sides` that go through the router and
+gate but skip tokenisation, tool parsing and reward functions (seed scale in minutes);
+`--worker real` runs the real `AgentLoopWorker` and agent loop instead, with the engine
+model and the sandbox pool model behind its seams (launch.sim.agent_side): real token ids,
+chat template, tool parser, bash tool and rule reward, for small workloads.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class SimOptions:
     push_bytes_per_s: float = 50e9  # weight push bandwidth (NCCL broadcast)
     push_latency_s: float = 1.0  # pause, checksum, resume
     double_in_flight: bool = False  # CLI: also run with twice the trajectories in flight
+    worker: str = "model"  # model: launch.sim.sides' trajectories; real: the AgentLoopWorker
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,17 +132,23 @@ async def simulate(cfg: SluiceConfig, opts: SimOptions,
                for i in range(cfg.rollout.num_engines)}
     pool = SandboxPoolModel(cfg.envs.num_sandbox_workers * cfg.envs.sandboxes_per_worker,
                             restore_s=opts.restore_s)
-    profile = TrajectoryProfile(p.turns, p.prompt_tokens, p.gen_tokens, p.obs_tokens,
-                                opts.token_unit)
-    rollout = SimRollout(profile=profile, engines=engines, world=world,
-                         sandboxes=SimSandboxes(pool),
-                         exec_model=build_exec_model(cfg, p.turns, opts.tail),
-                         releasable=opts.sandboxes == "releasable",
-                         trajectory_timeout_s=cfg.agent.trajectory_timeout_s, seed=opts.seed)
+    exec_model = build_exec_model(cfg, p.turns, opts.tail)
+    if opts.worker == "real":  # the real AgentLoopWorker and agent loop, real token ids
+        from launch.sim.agent_side import build_agent_rollout
+
+        rollout, tasks = build_agent_rollout(cfg, spec, SimSandboxes(pool), exec_model, opts.seed)
+        engines = rollout.engines
+    else:
+        profile = TrajectoryProfile(p.turns, p.prompt_tokens, p.gen_tokens, p.obs_tokens,
+                                    opts.token_unit)
+        rollout = SimRollout(profile=profile, engines=engines, world=world,
+                             sandboxes=SimSandboxes(pool), exec_model=exec_model,
+                             releasable=opts.sandboxes == "releasable",
+                             trajectory_timeout_s=cfg.agent.trajectory_timeout_s, seed=opts.seed)
+        tasks = [Task(id=f"task{i}", messages=(Message(role="user", content=f"task {i}"),))
+                 for i in range(cfg.train.groups_per_step * 4)]
     trainer = SimTrainer(TrainerModel.from_plan(plan, opts.push_bytes_per_s, opts.push_latency_s),
                          engines, opts.token_unit)
-    tasks = [Task(id=f"task{i}", messages=(Message(role="user", content=f"task {i}"),))
-             for i in range(cfg.train.groups_per_step * 4)]
     sink = _Collect()
     events = None
     if events_path is not None:
@@ -171,11 +182,7 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, rows
     stats = [e.model.stats() for e in engines.values()]
     engine_busy = [s.prefill_busy_s + s.decode_busy_s for s in stats]
     queries = sum(s.prefix_cache_queries for s in stats)
-    walls = {}
-    for event in rollout.trace:
-        first, last = walls.get(event["traj"], (event["gate_s"], event["tool_end_s"]))
-        walls[event["traj"]] = (min(first, event["gate_s"]), max(last, event["tool_end_s"]))
-    durations = [b - a for a, b in walls.values()] or [0.0]
+    durations = rollout.trajectory_walls() or [0.0]
     n = max(len(steps), 1)
     pool_stats = pool.stats(end_s)
     return SimReport(
@@ -192,10 +199,10 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, rows
         sandboxes_peak=pool_stats.peak_in_use, sandboxes_mean=pool_stats.mean_in_use,
         sandbox_wait_mean_s=pool_stats.mean_wait_s, sandbox_wait_max_s=pool_stats.max_wait_s,
         trajectory_wall_mean_s=sum(durations) / len(durations),
-        trajectory_wall_max_s=max(durations), turns=len(rollout.trace),
+        trajectory_wall_max_s=max(durations), turns=rollout.num_turns,
         trajectories_trained=summary.trained * cfg.train.group_size, admitted=summary.admitted,
         dropped=dict(summary.dropped), running=summary.running, buffered=summary.buffered,
-        end_reasons=dict(rollout._end_reasons),
+        end_reasons=dict(rollout.end_reasons),
         failed_cache_resets=sum(e.num_failed_resets for e in engines.values()),
         logged_step_s=tuple(r["timing/step_s"] for r in rows if "timing/step_s" in r),
         logged_trainer_idle_ratio=tuple(r["perf/trainer_idle_ratio"] for r in rows
@@ -273,7 +280,7 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], SimOptions, bool
     recipe, overrides, values, as_json, trace = None, [], {}, False, None
     doubled = False
     names = {"--mode": "mode", "--steps": "steps", "--tail": "tail", "--sandboxes": "sandboxes",
-             "--token-unit": "token_unit", "--seed": "seed"}
+             "--token-unit": "token_unit", "--seed": "seed", "--worker": "worker"}
     it = iter(argv)
     for arg in it:
         if arg == "--json":
@@ -294,11 +301,18 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], SimOptions, bool
             recipe = arg.removeprefix("recipe=")
         else:
             overrides.append(arg)
+    if values.get("worker") == "real":
+        values.setdefault("token_unit", "1")
     types = {f.name: f.type for f in dataclasses.fields(SimOptions)}
     opts = SimOptions(**{k: int(v) if types[k] == "int" else v for k, v in values.items()},
                       double_in_flight=doubled)
     if opts.mode not in ("sync", "async") or opts.sandboxes not in ("stateful", "releasable"):
         raise ValueError("--mode is sync or async; --sandboxes is stateful or releasable")
+    if opts.worker not in ("model", "real"):
+        raise ValueError("--worker is model or real")
+    if opts.worker == "real" and (opts.token_unit != 1 or opts.sandboxes != "stateful"):
+        raise ValueError("--worker real runs real token ids (--token-unit 1) in stateful "
+                         "sandboxes (the worker's environment holds one per trajectory)")
     if opts.steps < 1 or opts.token_unit < 1:
         raise ValueError("--steps and --token-unit must be >= 1")
     return recipe, overrides, opts, as_json, trace

@@ -2,23 +2,44 @@
 loop's clock: under a virtual clock (looptime) a generate call takes the model's time and
 no real time. One driver task per engine advances the model to each of its events.
 
-The sizes of a call come from the simulated agent loop (`SimWorld.register`): ids sent to
-the engine stand for `token_unit` tokens each, so 40K-token trajectories stay small in
-memory while the engine model, the KV pool and the trainer see the real token counts.
+What a call is and what it returns come from an `EngineScript`. `SimWorld` serves the
+simulator's own trajectories (launch.sim.sides): they register each call's real sizes, and
+the ids sent to the engine stand for `token_unit` tokens each, so 40K-token trajectories
+stay small in memory while the engine model, the KV pool and the trainer see the real
+token counts. `launch.sim.agent_side.ScriptedChat` serves the real agent loop: real ids,
+and outputs that parse as the recipe's tool calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from launch.sim.engine_model import EngineModel, SimRequest
-from rollout.engine import EngineStats, Sampling, TokenOutput
+from rollout.engine import EngineStats, FinishReason, Sampling, TokenOutput
 
 BEHAVIOUR_LOGPROB = -0.7  # any finite value <= 0: the simulated policy's tokens
 CLOCK_RESOLUTION_S = 1e-6
+
+
+class EngineScript(Protocol):
+    """What a simulated engine needs to know about a call beyond the model's timing."""
+
+    token_unit: int  # real tokens per id of the calls
+
+    def describe(self, request_id: str, prompt_ids: np.ndarray | list[int],
+                 sampling: Sampling) -> SimRequest:
+        """The call's real sizes (its `request_id` is the agent loop's, without the
+        router's attempt suffix)."""
+        ...
+
+    def output(self, request: SimRequest, prompt_ids: np.ndarray | list[int],
+               sampling: Sampling) -> tuple[np.ndarray, FinishReason]:
+        """The ids the call returns, and why it stopped."""
+        ...
 
 
 @dataclass(slots=True)
@@ -31,15 +52,19 @@ class SimWorld:
     def register(self, request: SimRequest) -> None:
         self.requests[request.request_id] = request
 
-    def take(self, request_id: str) -> SimRequest:
-        # The router appends ".<attempt>" to the agent loop's request id.
-        return self.requests.pop(request_id.rsplit(".", 1)[0])
+    def describe(self, request_id: str, prompt_ids: np.ndarray | list[int],
+                 sampling: Sampling) -> SimRequest:
+        return self.requests.pop(request_id)
+
+    def output(self, request: SimRequest, prompt_ids: np.ndarray | list[int],
+               sampling: Sampling) -> tuple[np.ndarray, FinishReason]:
+        return np.ones(max(1, request.new_tokens // self.token_unit), np.int32), "stop"
 
 
 class SimEngine:
     """An `EngineClient` whose generate calls are timed by an `EngineModel`."""
 
-    def __init__(self, model: EngineModel, world: SimWorld) -> None:
+    def __init__(self, model: EngineModel, world: EngineScript) -> None:
         self.model = model
         self.world = world
         self.version = 0
@@ -52,18 +77,18 @@ class SimEngine:
     async def generate(self, request_id: str, prompt_ids: np.ndarray | list[int],
                        sampling: Sampling) -> TokenOutput:
         loop = asyncio.get_running_loop()
-        request = self.world.take(request_id)
+        # The router appends ".<attempt>" to the agent loop's request id.
+        request = self.world.describe(request_id.rsplit(".", 1)[0], prompt_ids, sampling)
+        ids, finish = self.world.output(request, prompt_ids, sampling)
         future: asyncio.Future[int] = loop.create_future()
         self._futures[request.request_id] = future
         self.model.submit(loop.time(), request)
         self._ensure_driver().set()
         cached = await future
-        n = max(1, request.new_tokens // self.world.token_unit)
-        return TokenOutput(token_ids=np.ones(n, np.int32),
-                           logprobs=np.full(n, BEHAVIOUR_LOGPROB, np.float32),
-                           versions=np.full(n, self.version, np.int32), finish_reason="stop",
-                           num_prompt_tokens=len(prompt_ids),
-                           cached_prompt_tokens=cached // self.world.token_unit)
+        unit = self.world.token_unit
+        return TokenOutput(token_ids=ids, logprobs=np.full(len(ids), BEHAVIOUR_LOGPROB, np.float32),
+                           versions=np.full(len(ids), self.version, np.int32), finish_reason=finish,
+                           num_prompt_tokens=len(prompt_ids), cached_prompt_tokens=cached // unit)
 
     def _ensure_driver(self) -> asyncio.Event:
         if self._wake is None:

@@ -192,6 +192,27 @@ class SimRollout:
                                "context_tokens": context_units * p.token_unit,
                                "cached_tokens": out.cached_prompt_tokens * p.token_unit})
 
+    def trajectory_walls(self) -> list[float]:
+        """Each trajectory's wall clock, first turn to last tool end (its sandbox wait
+        before the first turn is not part of it)."""
+        walls: dict[str, tuple[float, float]] = {}
+        for event in self.trace:
+            first, last = walls.get(event["traj"], (event["gate_s"], event["tool_end_s"]))
+            walls[event["traj"]] = (min(first, event["gate_s"]), max(last, event["tool_end_s"]))
+        return [b - a for a, b in walls.values()]
+
+    @property
+    def end_reasons(self) -> Counter[str]:
+        return self._end_reasons
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.trace)
+
+    @property
+    def num_tool_timeouts(self) -> int:
+        return self._timed_out_tools
+
     async def close_gates(self) -> None:
         await self.gate.close()
 
