@@ -25,7 +25,7 @@ class GoldPatchLoop:
         rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas))
         calls = (ToolCall("write_file", {"path": "gold.diff", "content": gold_patch(task.id)}),
                  ToolCall("bash", {"command": "git apply gold.diff && rm gold.diff && "
-                                              "git status --short"}))
+                                              "pwd && git status --short"}))
         outcome = await ctx.run_tools(ParsedTurn("", calls, ()))
         assert "Wrote" in outcome.messages[0].content, outcome.messages[0].content
         with open(os.environ[GOLD_ROWS_ENV] + ".tool_log", "a", encoding="utf-8") as f:
