@@ -19,7 +19,7 @@ quickstart: setup
 	$(PY) -m launch.report --latest runs --wandb
 
 test: setup
-	$(PY) -m pytest tests/unit tests/integration -q
+	$(PY) -m pytest tests/unit tests/integration -q --durations=30
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
