@@ -114,6 +114,8 @@ def test_cli_prints_the_comparison_and_writes_a_trace(tmp_path, capsys):
     assert {e["kind"] for e in events} == {"turn", "push", "step"}
     assert main(["recipe=swe_grpo.yaml", *SMALL, "--mode", "later"]) == 2
     assert "--mode is sync or async" in capsys.readouterr().err
+    assert main(["recipe=swe_grpo.yaml", *SMALL, "--worker", "real", "--sandboxes", "releasable"]) == 2
+    assert "stateful sandboxes" in capsys.readouterr().err
 
 
 def test_doubling_the_trajectories_in_flight_lowers_the_hit_rate(capsys):
