@@ -35,11 +35,11 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from envs.types import Message, TerminationReason, Trajectory
 from rollout.chat import ContinuityBuilder, encode
-from rollout.engine import Sampling
+from rollout.engine import Sampling, TokenOutput
 from rollout.gate import TurnGate
 from rollout.gateway_protocol import (ProtocolError, TurnReply, TurnRequest, anthropic_response,
                                       anthropic_stream, extension_suffix, openai_response, openai_stream,
@@ -114,12 +114,48 @@ class GatewaySession:
     num_requests: int = 0
 
 
-class Gateway:
-    """Sessions, recording and generation; the HTTP app (`build_app`) is a thin shell."""
+@dataclass(frozen=True, slots=True)
+class GeneratedTurn:
+    output: TokenOutput
+    engine: str  # the engine that generated it
+    queue_s: float  # waiting at the turn gate
+    generate_s: float
 
-    def __init__(self, router: Router, gate: TurnGate, chat: ContinuityBuilder, tokenizer: Any,
-                 settings: GatewaySettings) -> None:
+
+class TurnService(Protocol):
+    """Where a gateway's generations go: the turn gate and the sticky router, in this
+    process (LocalTurns) or in the worker's, for a gateway process (rollout.gateway_procs)."""
+
+    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
+                            sampling: Sampling) -> GeneratedTurn: ...
+
+
+class LocalTurns:
+    """The turn gate and the router of this process."""
+
+    def __init__(self, router: Router, gate: TurnGate) -> None:
+        self.router, self.gate = router, gate
+
+    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
+                            sampling: Sampling) -> GeneratedTurn:
+        async with self.gate.turn() as queue_s:
+            start = time.monotonic()
+            routed = await self.router.generate(router_session, request_id, prompt_ids, sampling)
+        return GeneratedTurn(routed.output, routed.engine, queue_s, time.monotonic() - start)
+
+
+class Gateway:
+    """Sessions, recording and generation; the HTTP app (`build_app`) is a thin shell.
+    Generations go through `router` and `gate` of this process, or through `turns`."""
+
+    def __init__(self, router: Router | None, gate: TurnGate | None, chat: ContinuityBuilder, tokenizer: Any,
+                 settings: GatewaySettings, *, turns: TurnService | None = None) -> None:
         self.router, self.gate, self.chat, self.tokenizer = router, gate, chat, tokenizer
+        if turns is None:
+            if router is None or gate is None:
+                raise ValueError("a Gateway needs a router and a turn gate, or `turns`")
+            turns = LocalTurns(router, gate)
+        self.turns = turns
         self.settings = settings
         self._sessions: dict[str, GatewaySession] = {}
         self._by_token: dict[str, str] = {}
@@ -278,14 +314,12 @@ class Gateway:
         sampling = Sampling(max_new_tokens=min(room, request.max_tokens or room), temperature=temperature,
                             top_p=top_p, top_k=s.top_k, stop_token_ids=self._stop_ids + extra_stops)
         started_at = time.time()
-        async with self.gate.turn() as queue_s:
-            start = time.monotonic()
-            session.num_requests += 1
-            routed = await self.router.generate(session.router_session,
-                                                f"{session.router_session}#{session.num_requests}",
-                                                rec.context_ids, sampling)
-        rec.add_generation(routed.output, queue_s, time.monotonic() - start, routed.engine, started_at)
-        return routed.output
+        session.num_requests += 1
+        turn = await self.turns.generate_turn(session.router_session,
+                                              f"{session.router_session}#{session.num_requests}",
+                                              rec.context_ids, sampling)
+        rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
+        return turn.output
 
     def _stop_ids_of(self, stops: Sequence[str]) -> tuple[int, ...]:
         """Stop strings that are one token stop the engine there (the token is kept, as a

@@ -9,16 +9,21 @@ name), waits for the harness (bounded by `harness_timeout_s`; the worker's
 agent.trajectory_timeout_s bounds it too and then salvages the open segment, which the
 loop keeps on `ctx.recorder`), then closes the session.
 
-One session may yield several segments (the harness rewrote its history). Each segment
-that ends because a new one starts goes onto `ctx.segments`; `run` returns the last one,
-and the worker trains them all under the sample's one reward and group baseline. On a
-trajectory timeout the worker salvages the open segment (`ctx.recorder`) and keeps the
-earlier ones the same way.
+One session may yield several segments (the harness rewrote its history): `run`
+returns the last one and leaves the earlier ones on `ctx.segments`; the worker trains
+them all under the sample's one reward and group baseline. If the trajectory's timeout
+cancels the run, the closed session's last segment is left as `ctx.recorder` for the
+worker to salvage (ending `timeout`), the earlier ones on `ctx.segments` as well.
+
+`num_gateway_processes` > 0 serves the sessions from that many gateway processes
+(rollout.gateway_procs) instead of this worker's event loop; their generations still go
+through this worker's turn gate and router.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -27,8 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from envs.types import Task, TerminationReason, Trajectory
-from rollout.gateway import Gateway, GatewayServer, GatewaySettings
-from rollout.recorder import TrajectoryRecorder
+from rollout.gateway import Gateway, GatewayServer, GatewaySettings, GatewayStats
+from rollout.gateway_procs import GatewayProcesses, SessionHandle
 
 if TYPE_CHECKING:
     from rollout.agent_loop import AgentContext
@@ -52,52 +57,85 @@ class HarnessEndpoint:
                 "SLUICE_MODEL": self.model}
 
 
+class _InProcessHost:
+    """Sessions on a gateway served by this worker's event loop."""
+
+    def __init__(self, server: GatewayServer) -> None:
+        self.server = server
+
+    async def open_session(self, task_id: str, group_id: str, index: int) -> SessionHandle:
+        session = self.server.gateway.open_session(task_id, group_id, index)
+        return SessionHandle(0, session.id, session.token, self.server.session_url(session))
+
+    async def close_session(self, handle: SessionHandle, reason: TerminationReason,
+                            detail: str = "") -> list[Trajectory]:
+        return self.server.gateway.close_session(handle.id, reason, detail)
+
+    def stats(self) -> GatewayStats:
+        return self.server.gateway.stats()
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+
+class _ClosedSegment:
+    """The last segment of a closed session, where the worker salvages an open recorder
+    (`ctx.recorder.finish(reason, detail)`) when the trajectory's timeout cancelled it."""
+
+    def __init__(self, trajectory: Trajectory) -> None:
+        self.trajectory = trajectory
+
+    def finish(self, reason: TerminationReason, detail: str = "") -> Trajectory:
+        return dataclasses.replace(self.trajectory, termination=reason, termination_detail=detail)
+
+
 class GatewayAgentLoop:
     """Subclass and implement `run_harness` (or use `SubprocessHarnessLoop`)."""
 
     model_name = "policy"
     harness_timeout_s = 600.0
+    num_gateway_processes = 0  # 0: the gateway runs on the worker's event loop
 
     def __init__(self) -> None:
-        self._server: GatewayServer | None = None
+        self._host: _InProcessHost | GatewayProcesses | None = None
         self._starting = asyncio.Lock()
 
     @property
+    def host(self) -> "_InProcessHost | GatewayProcesses | None":
+        """Where this worker's sessions live, once a run has started it (`stats()`)."""
+        return self._host
+
+    @property
     def server(self) -> GatewayServer | None:
-        """This worker's gateway server, once a run has started it."""
-        return self._server
+        """This worker's in-process gateway server, once a run has started it."""
+        return self._host.server if isinstance(self._host, _InProcessHost) else None
 
     async def run_harness(self, task: Task, endpoint: HarnessEndpoint, ctx: "AgentContext") -> TerminationReason:
         """Drive the harness until it is done; return how the session ended."""
         raise NotImplementedError("subclass GatewayAgentLoop and implement run_harness")
 
-    async def server_for(self, ctx: "AgentContext") -> GatewayServer:
-        """This worker's gateway, started on first use on the worker's loop."""
+    async def host_for(self, ctx: "AgentContext") -> "_InProcessHost | GatewayProcesses":
+        """This worker's gateway (or gateway processes), started on first use on its loop."""
         async with self._starting:
-            if self._server is None:
+            if self._host is None:
                 s = ctx.settings
-                gateway = Gateway(ctx.router, ctx.gate, ctx.chat, ctx.tokenizer, GatewaySettings(
-                    self.model_name, s.budgets, s.temperature, s.top_p, s.top_k, s.max_tool_calls_per_turn))
-                server = GatewayServer(gateway)
-                await server.start()
-                self._server = server
-        return self._server
+                settings = GatewaySettings(self.model_name, s.budgets, s.temperature, s.top_p, s.top_k,
+                                           s.max_tool_calls_per_turn)
+                if self.num_gateway_processes > 0:
+                    host: _InProcessHost | GatewayProcesses = GatewayProcesses(
+                        ctx.router, ctx.gate, ctx.chat, settings, self.num_gateway_processes)
+                    await host.start()
+                else:
+                    server = GatewayServer(Gateway(ctx.router, ctx.gate, ctx.chat, ctx.tokenizer, settings))
+                    await server.start()
+                    host = _InProcessHost(server)
+                self._host = host
+        return self._host
 
     async def run(self, task: Task, ctx: "AgentContext") -> Trajectory:
-        server = await self.server_for(ctx)
-        gateway = server.gateway
-
-        def keep_open_segment(rec: TrajectoryRecorder) -> None:
-            # The segment a prefix break finished is trained with the sample; one without a
-            # generation was dropped by the gateway (nothing to train) and has no result.
-            previous = ctx.recorder
-            if previous is not None and previous.result is not None:
-                ctx.segments.append(previous.result)
-            ctx.recorder = rec  # the open one: the worker salvages it on a timeout
-
-        session = gateway.open_session(task.id, ctx.group_id, ctx.index, on_segment=keep_open_segment)
-        base = server.session_url(session)
-        endpoint = HarnessEndpoint(base + "/v1", base, session.token, self.model_name)
+        host = await self.host_for(ctx)
+        handle = await host.open_session(task.id, ctx.group_id, ctx.index)
+        endpoint = HarnessEndpoint(handle.url + "/v1", handle.url, handle.token, self.model_name)
         reason, detail = TerminationReason.ERROR, "the harness was cancelled"
         try:
             reason = await asyncio.wait_for(self.run_harness(task, endpoint, ctx), self.harness_timeout_s)
@@ -107,17 +145,19 @@ class GatewayAgentLoop:
         except Exception as exc:  # the harness failing is this trajectory's ending, not the worker's
             reason, detail = TerminationReason.ERROR, f"harness failed: {type(exc).__name__}: {exc}"
         finally:
-            segments = gateway.close_session(session.id, reason, detail)
+            segments = await host.close_session(handle, reason, detail)
+            ctx.segments[:] = segments[:-1]
+            if segments:  # what the worker salvages if this run was cancelled
+                ctx.recorder = _ClosedSegment(segments[-1])  # type: ignore[assignment]  # duck-typed: finish()
         if not segments:  # no generation: an error with no model token (nothing to train)
-            rec = ctx.recorder or ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
+            rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
             return rec.finish(TerminationReason.ERROR, detail or "the harness made no model request")
-        ctx.segments[:] = segments[:-1]  # (the same, unless the open segment had no generation)
         return segments[-1]
 
     async def close(self) -> None:
-        if self._server is not None:
-            await self._server.stop()
-            self._server = None
+        if self._host is not None:
+            await self._host.stop()
+            self._host = None
 
 
 class SubprocessHarnessLoop(GatewayAgentLoop):

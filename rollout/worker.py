@@ -194,8 +194,8 @@ class AgentLoopWorker:
             return None
 
     def stats(self) -> WorkerStats:
-        gateways = [loop.server.gateway.stats() for loop in self._loops.values()
-                    if isinstance(loop, GatewayAgentLoop) and loop.server is not None]
+        gateways = [loop.host.stats() for loop in self._loops.values()
+                    if isinstance(loop, GatewayAgentLoop) and loop.host is not None]
         return WorkerStats(self._num_running, sum(self._end_reasons.values()),
                            dict(self._end_reasons), self._num_tool_errors, self._num_divergences,
                            self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s,

@@ -1,19 +1,25 @@
 """Bench: the gateway's overhead per request with N concurrent sessions (black-box
-harnesses speaking HTTP), side by side with agent loops calling the router directly.
+harnesses speaking HTTP), side by side with agent loops calling the router directly, for
+one gateway on the worker's event loop and for K gateway processes behind the same
+router (rollout.gateway_procs).
 
 Stand-in engine (no model): each generate call sleeps `--engine-ms` and returns a fixed
 short reply of the tiny model's tokenizer plus its stop token; the time it spends is
 recorded per request. Overhead per request = the caller's wall time - the engine's time:
-  gateway: an httpx client per session POSTs OpenAI chat completions to the gateway
-           (uvicorn + FastAPI on the same event loop; render, suffix match, recording,
-           hermes parse, JSON), each turn extending the last (the exact path);
+  gateway: httpx clients POST OpenAI chat completions to the session's URL, each turn
+           extending the last (the exact path: render, suffix match, recording, hermes
+           parse, JSON). The clients run in `--client-procs` processes of their own, so
+           the harnesses' JSON work is not charged to the gateway; the router, turn gate
+           and stand-in engine run on the bench's (the worker's) event loop; the gateway
+           runs there too (K=0) or in K processes;
   direct:  the router is called with ids the caller already holds (what ToolAgentLoop
            pays besides the builder, which is measured under gateway).
-Both run in one process on one event loop, so "gateway" also carries the client's own
-JSON work. Memory per session: tracemalloc's growth over N sessions each holding the
-given number of turns on the gateway's core (no HTTP), / N.
+Memory per session: tracemalloc's growth over N sessions each holding the given number
+of turns on the gateway's core (no HTTP), / N; plus the resident memory of each gateway
+process (its fixed cost: tokenizer, template, vLLM's parsers).
 
     python tests/bench/bench_gateway.py [--sessions 100 500 1000] [--turns 3] [--engine-ms 20]
+                                        [--gateway-procs 0 2 4] [--client-procs 2]
 """
 
 from __future__ import annotations
@@ -69,34 +75,76 @@ def head(i: int) -> list[dict]:
             {"role": "user", "content": f"Question number {i}: what is {i} + {i}?"}]
 
 
-async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float) -> list[float]:
+def client_main(targets: list[tuple[int, str, str]], turns: int) -> list[tuple[int, int, float]]:
+    """One client process: every (sample, url, token) session runs `turns` turns at once;
+    (sample, turn, wall s) per request."""
+    return asyncio.run(_clients(targets, turns))
+
+
+async def _clients(targets: list[tuple[int, str, str]], turns: int) -> list[tuple[int, int, float]]:
     import httpx
 
-    gateway, engine = build(tokenizer, chat, engine_s)
-    server = GatewayServer(gateway)
-    await server.start()
-    overheads: list[float] = []
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
-        async def one(i: int) -> None:
-            session = gateway.open_session("bench", "g", i)
-            url = server.session_url(session) + "/v1/chat/completions"
-            headers = {"authorization": f"Bearer {session.token}"}
+    walls: list[tuple[int, int, float]] = []
+    limits = httpx.Limits(max_connections=len(targets) + 8, max_keepalive_connections=len(targets) + 8)
+    async with httpx.AsyncClient(limits=limits, timeout=900) as client:
+        async def one(i: int, url: str, token: str) -> None:
             messages = head(i)
             for turn in range(turns):
                 start = time.perf_counter()
-                r = await client.post(url, json={"model": "policy", "messages": messages, "max_tokens": 32},
-                                      headers=headers)
-                wall = time.perf_counter() - start
+                r = await client.post(url + "/v1/chat/completions", headers={"authorization": f"Bearer {token}"},
+                                      json={"model": "policy", "messages": messages, "max_tokens": 32})
+                walls.append((i, turn, time.perf_counter() - start))
                 r.raise_for_status()
-                overheads.append(wall - engine.spent[f"{session.router_session}#{turn + 1}"])
                 messages = messages + [r.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]
-            gateway.close_session(session.id, TerminationReason.FINISHED)
 
-        await asyncio.gather(*(one(i) for i in range(n)))
-    assert gateway.stats().num_prefix_breaks == 0, gateway.stats()
-    await server.stop()
-    return overheads
+        await asyncio.gather(*(one(*t) for t in targets))
+    return walls
+
+
+async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_procs: int,
+                      num_clients: int) -> tuple[list[float], list[float]]:
+    """Overheads (s) per request, and the resident MiB of each gateway process."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    from rollout.gateway_procs import GatewayProcesses
+
+    gateway, engine = build(tokenizer, chat, engine_s)
+    if num_procs:
+        host = GatewayProcesses(gateway.router, gateway.gate, chat, gateway.settings, num_procs)
+        await host.start()
+        handles = [await host.open_session("bench", "g", i) for i in range(n)]
+        targets = [(i, h.url, h.token) for i, h in enumerate(handles)]
+    else:
+        server = GatewayServer(gateway)
+        await server.start()
+        sessions = [gateway.open_session("bench", "g", i) for i in range(n)]
+        targets = [(i, server.session_url(s), s.token) for i, s in enumerate(sessions)]
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(num_clients, mp_context=multiprocessing.get_context("spawn")) as pool:
+        await asyncio.gather(*(loop.run_in_executor(pool, client_main, [], 1) for _ in range(num_clients)))  # warm
+        chunks = [targets[k::num_clients] for k in range(num_clients)]
+        results = await asyncio.gather(*(loop.run_in_executor(pool, client_main, c, turns) for c in chunks))
+    overheads = [wall - engine.spent[f"g/{i}#{turn + 1}"] for walls in results for i, turn, wall in walls]
+    rss: list[float] = []
+    if num_procs:
+        rss = [_rss_mib(p.proc.pid) for p in host._procs]
+        for h in handles:
+            await host.close_session(h, TerminationReason.FINISHED)
+        assert host.stats().num_prefix_breaks == 0, host.stats()
+        await host.stop()
+    else:
+        for s in sessions:
+            gateway.close_session(s.id, TerminationReason.FINISHED)
+        assert gateway.stats().num_prefix_breaks == 0, gateway.stats()
+        await server.stop()
+    return overheads, rss
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib / 1024
 
 
 async def run_direct(tokenizer, chat, n: int, turns: int, engine_s: float) -> list[float]:
@@ -145,6 +193,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[100, 500, 1000])
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--engine-ms", type=float, default=20.0)
+    parser.add_argument("--gateway-procs", type=int, nargs="+", default=[0, 2, 4],
+                        help="gateway processes behind the router (0: on the worker's event loop)")
+    parser.add_argument("--client-procs", type=int, default=2)
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -154,19 +205,25 @@ def main() -> None:
     chat = build_continuity_builder(tokenizer, "tiny", reasoning_parser="none")
     engine_s = args.engine_ms / 1000
     print(f"machine: {platform.node()} | {platform.machine()} | python {platform.python_version()} | "
-          f"{__import__('os').cpu_count()} cpus")
+          f"{__import__('os').cpu_count()} cpus | load {__import__('os').getloadavg()[0]:.1f}")
     print("command: python " + " ".join(sys.argv))
-    print(f"stand-in engine {args.engine_ms:g} ms per generation; {args.turns} turns per session\n")
-    print(f"{'sessions':>8} | {'gateway p50 ms':>14} | {'gateway p99 ms':>14} | {'direct p50 ms':>13} | "
-          f"{'direct p99 ms':>13} | {'wall s':>6} | {'KiB/session':>11}")
+    print(f"stand-in engine {args.engine_ms:g} ms per generation; {args.turns} turns per session; "
+          f"{args.client_procs} client processes\n")
+    print(f"{'sessions':>8} | {'gateway procs':>13} | {'gateway p50 ms':>14} | {'gateway p99 ms':>14} | "
+          f"{'direct p50 ms':>13} | {'direct p99 ms':>13} | {'wall s':>6} | {'KiB/session':>11} | "
+          f"{'MiB/gateway proc':>16}")
     for n in args.sessions:
-        start = time.perf_counter()
-        via_gateway = asyncio.run(run_gateway(tokenizer, chat, n, args.turns, engine_s))
-        wall = time.perf_counter() - start
         direct = asyncio.run(run_direct(tokenizer, chat, n, args.turns, engine_s))
         memory = asyncio.run(memory_per_session(tokenizer, chat, n, args.turns))
-        print(f"{n:>8} | {ms(via_gateway, 50):>14.2f} | {ms(via_gateway, 99):>14.2f} | {ms(direct, 50):>13.3f} | "
-              f"{ms(direct, 99):>13.3f} | {wall:>6.1f} | {memory / 1024:>11.1f}")
+        for k in args.gateway_procs:
+            start = time.perf_counter()
+            via_gateway, rss = asyncio.run(run_gateway(tokenizer, chat, n, args.turns, engine_s, k,
+                                                       args.client_procs))
+            wall = time.perf_counter() - start
+            proc_mib = f"{np.mean(rss):.0f}" if rss else "(worker)"
+            print(f"{n:>8} | {k:>13} | {ms(via_gateway, 50):>14.2f} | {ms(via_gateway, 99):>14.2f} | "
+                  f"{ms(direct, 50):>13.3f} | {ms(direct, 99):>13.3f} | {wall:>6.1f} | {memory / 1024:>11.1f} | "
+                  f"{proc_mib:>16}", flush=True)
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ async def test_gateway_agent_loop_runs_a_harness_in_the_worker(engine, tokenizer
         full = np.concatenate([t.prompt_ids, t.response_ids]).tolist()
         sent = [c for c in recording.calls if c[0] == full[:len(c[0])]]
         assert {len(c[0]) for c in sent} >= {len(t.prompt_ids), t.turns[1].prompt_tokens}
-    assert loop.server.gateway.stats().num_prefix_breaks == 0
+    assert loop.host.stats().num_prefix_breaks == 0
     metrics = worker.stats().gateway.as_metrics()
     assert metrics["gateway/sessions"] == 3 and metrics["gateway/reencoded_tokens"] == 0
     await loop.close()
@@ -256,11 +256,17 @@ class RewritingHarness(GatewayAgentLoop):
         return TerminationReason.FINISHED
 
 
-async def test_a_rewritten_session_trains_two_exact_segments_under_one_reward(engine, tokenizer, chat):
+class RewritingHarnessInProcesses(RewritingHarness):
+    num_gateway_processes = 2
+
+
+@pytest.mark.parametrize("loop", ["RewritingHarness", "RewritingHarnessInProcesses"])
+async def test_a_rewritten_session_trains_two_exact_segments_under_one_reward(engine, tokenizer, chat, loop):
+    """In-process and with 2 gateway processes behind the worker's router: the same."""
     from trainer.advantages import compute_group_advantages
     from trainer.config import LossConfig
 
-    worker, recording = gateway_worker(engine, tokenizer, chat, f"{__name__}:RewritingHarness")
+    worker, recording = gateway_worker(engine, tokenizer, chat, f"{__name__}:{loop}")
     task = Task("hi", (Message("system", "Be brief."), Message("user", "Say hi.")), answer="hi")
     group = await worker.run_group(task, "rw", 2)
     assert [(t.index, t.segment) for t in group.trajectories] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -278,5 +284,8 @@ async def test_a_rewritten_session_trains_two_exact_segments_under_one_reward(en
     assert stats.num_finished == 2 and stats.num_segments == 4
     metrics = stats.gateway.as_metrics()
     assert metrics["gateway/prefix_breaks"] == 2 and metrics["gateway/segments_per_session"] == 2.0
+    assert metrics["gateway/requests"] == 6 and metrics["gateway/open_sessions"] == 0
+    if loop.endswith("InProcesses"):  # one session on each process (fewest open sessions first)
+        assert [p.stats.num_sessions for p in worker.loop_for(task).host._procs] == [1, 1]
     assert metrics["gateway/reencoded_tokens"] == sum(len(t.prompt_ids) for t in group.trajectories if t.segment)
     await worker.loop_for(task).close()

@@ -1,0 +1,284 @@
+"""Several gateway processes behind the worker's one sticky router: the HTTP, JSON,
+rendering, tokenizing and parsing of black-box harness requests spread over processes,
+while every generation still passes this worker's turn gate and router (prefix-cache
+stickiness, weight pushes at turn boundaries).
+
+    harness --HTTP--> gateway process k (uvicorn + Gateway: sessions, segments)
+                            | generate_turn(session, ids, sampling)   (Unix socket, pickle frames)
+                            v
+    agent-loop worker: TurnGate -> Router -> engines      open/close sessions, stats
+
+A session lives in one process (its URL names that process's port), chosen as the one
+with the fewest open sessions; its segments come back when the worker closes it. Each
+process rebuilds the tokenizer and continuity builder from `ChatSpec` (the builder holds
+vLLM parsers, which do not pickle). Processes are spawned (no fork of an event loop with
+engines) and exit when the worker's connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import struct
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from envs.types import TerminationReason, Trajectory
+from rollout.engine import Sampling
+from rollout.gate import TurnGate
+from rollout.gateway import (Gateway, GatewaySettings, GatewayStats, GeneratedTurn, GatewayServer, LocalTurns,
+                             sum_gateway_stats)
+from rollout.router import Router
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSpec:
+    """What rebuilds the worker's tokenizer and continuity builder in another process."""
+
+    model_path: str
+    family: str
+    keep_thinking: bool
+    template_kwargs: Mapping[str, Any]
+    tool_parser: str
+    reasoning_parser: str
+
+    @classmethod
+    def of(cls, chat: Any) -> "ChatSpec":
+        """The spec of a built TemplateContinuity (rollout.chat)."""
+        return cls(chat.tokenizer.name_or_path, chat.family.name, chat.keep_thinking, dict(chat.template_kwargs),
+                   chat.tool_parser_name or "none", chat.reasoning_parser_name or "none")
+
+    def build(self) -> tuple[Any, Any]:
+        from transformers import AutoTokenizer
+
+        from rollout.chat import build_continuity_builder
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        chat = build_continuity_builder(tokenizer, self.family, self.keep_thinking, self.template_kwargs,
+                                        tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
+        return tokenizer, chat
+
+
+class RpcPeer:
+    """Both ends of one connection call each other: frames are (kind, id, method, args)
+    pickles; each request is served in its own task, so calls overlap."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 handlers: Mapping[str, Callable[..., Awaitable[Any]]]) -> None:
+        self.reader, self.writer, self.handlers = reader, writer, dict(handlers)
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def call(self, method: str, *args: Any) -> Any:
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        self._send(("call", call_id, method, args))
+        return await future
+
+    def _send(self, frame: tuple) -> None:
+        data = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+        self.writer.write(_HEADER.pack(len(data)) + data)
+
+    async def serve(self) -> None:
+        """Read frames until the other end closes; then every pending call fails."""
+        try:
+            while True:
+                (size,) = _HEADER.unpack(await self.reader.readexactly(_HEADER.size))
+                kind, call_id, method, payload = pickle.loads(await self.reader.readexactly(size))
+                if kind == "call":
+                    task = asyncio.create_task(self._answer(call_id, method, payload))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                elif (future := self._pending.pop(call_id, None)) is not None and not future.done():
+                    if kind == "error":
+                        future.set_exception(RuntimeError(payload))
+                    else:
+                        future.set_result(payload)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(ConnectionError("the gateway connection closed"))
+            self._pending.clear()
+
+    async def _answer(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            result = await self.handlers[method](*args)
+        except Exception as exc:  # the caller gets it as its call's error
+            self._send(("error", call_id, method, f"{type(exc).__name__}: {exc}"))
+        else:
+            self._send(("result", call_id, method, result))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RemoteTurns:
+    """A gateway process's TurnService: each turn is a call into the worker."""
+
+    def __init__(self, peer: RpcPeer) -> None:
+        self.peer = peer
+
+    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
+                            sampling: Sampling) -> GeneratedTurn:
+        return await self.peer.call("generate_turn", router_session, request_id, list(prompt_ids), sampling)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHandle:
+    """A session in a gateway process: what the harness gets and what closes it."""
+
+    process: int
+    id: str
+    token: str
+    url: str  # the per-session base URL (OpenAI clients add /v1)
+
+
+class _Process:
+    def __init__(self, index: int, proc: Any) -> None:
+        self.index, self.proc = index, proc
+        self.peer: RpcPeer | None = None
+        self.url = ""
+        self.open_sessions = 0
+        self.stats = GatewayStats(0, 0, 0, 0, 0, 0, 0)
+        self.ready = asyncio.get_running_loop().create_future()
+
+
+class GatewayProcesses:
+    """`num_processes` gateway processes on this host, their turns served by `router`
+    and `gate` of this (the worker's) event loop."""
+
+    def __init__(self, router: Router, gate: TurnGate, chat: Any, settings: GatewaySettings,
+                 num_processes: int, host: str = "127.0.0.1", start_timeout_s: float = 300.0) -> None:
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+        self.turns = LocalTurns(router, gate)
+        self.spec, self.settings = ChatSpec.of(chat), settings
+        self.num_processes, self.host, self.start_timeout_s = num_processes, host, start_timeout_s
+        self._procs: list[_Process] = []
+        self._server: asyncio.AbstractServer | None = None
+        self._dir = tempfile.mkdtemp(prefix="sluice-gw-")
+
+    async def start(self) -> None:
+        path = os.path.join(self._dir, "worker.sock")
+        self._server = await asyncio.start_unix_server(self._accept, path=path)
+        ctx = multiprocessing.get_context("spawn")  # no fork of a loop holding engines
+        for i in range(self.num_processes):
+            proc = ctx.Process(target=_process_main, args=(path, i, self.spec, self.settings, self.host),
+                               daemon=True, name=f"sluice-gateway-{i}")
+            proc.start()
+            self._procs.append(_Process(i, proc))
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.ready for p in self._procs)), self.start_timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("%d gateway processes: %s", self.num_processes, ", ".join(p.url for p in self._procs))
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        procs = self._procs
+
+        async def hello(index: int, url: str) -> None:
+            procs[index].url = url
+            procs[index].peer = peer
+            if not procs[index].ready.done():
+                procs[index].ready.set_result(None)
+
+        peer = RpcPeer(reader, writer, {"generate_turn": self.turns.generate_turn, "hello": hello})
+        await peer.serve()
+
+    def _peer(self, proc: _Process) -> RpcPeer:
+        if proc.peer is None:
+            raise RuntimeError(f"gateway process {proc.index} is not connected")
+        return proc.peer
+
+    async def open_session(self, task_id: str, group_id: str, index: int) -> SessionHandle:
+        proc = min(self._procs, key=lambda p: (p.open_sessions, p.index))
+        proc.open_sessions += 1
+        try:
+            session_id, token = await self._peer(proc).call("open_session", task_id, group_id, index)
+        except BaseException:
+            proc.open_sessions -= 1
+            raise
+        return SessionHandle(proc.index, session_id, token, f"{proc.url}/sessions/{session_id}")
+
+    async def close_session(self, handle: SessionHandle, reason: TerminationReason,
+                            detail: str = "") -> list[Trajectory]:
+        proc = self._procs[handle.process]
+        try:
+            segments, proc.stats = await self._peer(proc).call("close_session", handle.id, reason, detail)
+        finally:
+            proc.open_sessions -= 1
+        return segments
+
+    def stats(self) -> GatewayStats:
+        """Totals of every process, as of each one's last closed session (no round trip)."""
+        total = sum_gateway_stats([p.stats for p in self._procs])
+        return replace(total, num_open_sessions=sum(p.open_sessions for p in self._procs))
+
+    async def fetch_stats(self) -> GatewayStats:
+        """Totals of every process now (a round trip to each)."""
+        for p in self._procs:
+            p.stats = await self._peer(p).call("stats")
+        return self.stats()
+
+    async def stop(self) -> None:
+        for p in self._procs:
+            if p.peer is not None:
+                p.peer.close()
+        for p in self._procs:
+            await asyncio.to_thread(p.proc.join, 10)
+            if p.proc.is_alive():
+                p.proc.kill()
+        self._procs = []
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _process_main(path: str, index: int, spec: ChatSpec, settings: GatewaySettings, host: str) -> None:
+    asyncio.run(_serve_process(path, index, spec, settings, host))
+
+
+async def _serve_process(path: str, index: int, spec: ChatSpec, settings: GatewaySettings, host: str) -> None:
+    """One gateway process: a Gateway over RemoteTurns behind uvicorn, until the worker's
+    connection closes."""
+    tokenizer, chat = spec.build()
+    reader, writer = await asyncio.open_unix_connection(path)
+    holder: dict[str, Gateway] = {}
+
+    async def open_session(task_id: str, group_id: str, sample: int) -> tuple[str, str]:
+        session = holder["gw"].open_session(task_id, group_id, sample)
+        return session.id, session.token
+
+    async def close_session(session_id: str, reason: TerminationReason, detail: str) -> tuple:
+        gateway = holder["gw"]
+        return gateway.close_session(session_id, reason, detail), gateway.stats()
+
+    async def stats() -> GatewayStats:
+        return holder["gw"].stats()
+
+    peer = RpcPeer(reader, writer, {"open_session": open_session, "close_session": close_session, "stats": stats})
+    gateway = holder["gw"] = Gateway(None, None, chat, tokenizer, settings, turns=RemoteTurns(peer))
+    server = GatewayServer(gateway, host=host)
+    serving = asyncio.create_task(peer.serve())
+    await server.start()
+    await peer.call("hello", index, server.url)
+    await serving  # the worker closed the connection: stop
+    await server.stop()
