@@ -114,12 +114,27 @@ def _arguments(raw: Any, where: str) -> dict[str, Any]:
     return value  # type: ignore[return-value]  # checked just above
 
 
+def _refuse_sampling_changes(body: Mapping[str, Any]) -> None:
+    """OpenAI options that would change what is sampled, or how it must be shaped, and
+    that the gateway cannot honour without leaving the recipe's sampling (the trainer's
+    behaviour policy) or cutting sampled ids: refused, never silently dropped."""
+    fmt = body.get("response_format")
+    _require(fmt in (None, "text") or (isinstance(fmt, Mapping) and fmt.get("type") == "text"),
+             f"response_format {fmt!r:.80} is not supported: structured output needs constrained decoding")
+    _require(not body.get("logit_bias"), "logit_bias is not supported: it changes the sampled distribution")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _require(not body.get(name), f"{name} is not supported: it changes the sampled distribution")
+    _require(not body.get("logprobs") and not body.get("top_logprobs"),
+             "logprobs are not returned by the gateway (the trainer records them)")
+
+
 def parse_openai_request(body: Any) -> TurnRequest:
     """An OpenAI chat-completions body -> TurnRequest; ProtocolError(400) names the field."""
     _require(isinstance(body, Mapping), "the request body must be a JSON object")
     raw = body.get("messages")
     _require(isinstance(raw, list) and bool(raw), "'messages' must be a non-empty list")
     _require(body.get("n", 1) == 1, "only n=1 is supported")
+    _refuse_sampling_changes(body)
     messages: list[Message] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for the tool messages
     for i, m in enumerate(raw):
