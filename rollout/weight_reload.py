@@ -284,41 +284,58 @@ class NcclBroadcast:
             comm.destroy()  # ncclCommAbort on a helper thread, bounded by vLLM (5 s)
 
 
-def build_weight_communicator(backend: CommBackend, host: str, port: int, rank: int,
-                              world_size: int, device: Any, timeout_s: float,
-                              listen_socket: socket.socket | None = None) -> WeightCommunicator:
-    """Join the weight broadcast group through a TCP store at host:port, which rank 0
-    serves (from `listen_socket` when given). Blocks until all `world_size` ranks joined
-    (at most `timeout_s` waiting for them in the store)."""
+def join_weight_group(backend: CommBackend, host: str, port: int, rank: int, world_size: int,
+                      device: Any, timeout_s: float) -> WeightCommunicator:
+    """An engine worker joins the group whose store rank 0 serves at host:port."""
+    return build_weight_communicator(backend, build_store(host, port, timeout_s), rank,
+                                     world_size, device, timeout_s)
+
+
+def build_weight_communicator(backend: CommBackend, store: Any, rank: int, world_size: int,
+                              device: Any, timeout_s: float) -> WeightCommunicator:
+    """Join the weight broadcast group through its store (`build_store`): wait until all
+    `world_size` ranks arrived (at most `timeout_s`, less if a rank gives up), then build
+    the communicator, which then finds every peer there."""
+    wait_for_all_ranks(store, world_size, timeout_s)
     if backend == "gloo":
-        return GlooBroadcast(build_store(host, port, rank, world_size, timeout_s, listen_socket),
-                             rank, world_size, timeout_s)
+        return GlooBroadcast(store, rank, world_size, timeout_s)
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
-    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
-                                         store_timeout=int(timeout_s), listen_socket=listen_socket)
-
-    comm = PyNcclCommunicator(group, device=device)
+    comm = PyNcclCommunicator(StatelessProcessGroup(rank=rank, world_size=world_size, store=store),
+                              device=device)
     if comm.disabled:
         # PyNccl turns itself into a no-op when it cannot load NCCL; a silent no-op
         # broadcast would leave the engines on old weights.
         raise RuntimeError(f"NCCL is not available in this process (device {device}); "
                            "use sync.transport=cpu")
-    return NcclBroadcast(comm, group.store)
+    return NcclBroadcast(comm, store)
 
 
-def build_store(host: str, port: int, rank: int, world_size: int, timeout_s: float,
+def build_store(host: str, port: int, timeout_s: float,
                 listen_socket: socket.socket | None = None) -> Any:
-    """The group's TCP store: rank 0 serves it (from `listen_socket` when given), the
-    others connect; each waits at most `timeout_s` for the rest."""
+    """The group's TCP store: rank 0 serves it from `listen_socket`, the other ranks
+    connect to host:port. It carries the rendezvous and the abort mark."""
     from torch.distributed import TCPStore
 
     kwargs: dict[str, Any] = {}
     if listen_socket is not None:
         kwargs["master_listen_fd"] = listen_socket.detach()
-    return TCPStore(host, port, world_size, rank == SENDER_RANK, timedelta(seconds=timeout_s),
+    return TCPStore(host, port, None, listen_socket is not None, timedelta(seconds=timeout_s),
                     wait_for_workers=False, **kwargs)
+
+
+ARRIVED_KEY = "sluice/weights/arrived"
+
+
+def wait_for_all_ranks(store: Any, world_size: int, timeout_s: float) -> None:
+    """Count this rank in and wait for the others, giving up at the abort mark (a rank
+    that learnt a peer is gone) or after `timeout_s`: the collective set-up that follows
+    would wait for a missing rank without a way out."""
+    store.add(ARRIVED_KEY, 1)
+    flag = AbortFlag(store)
+    wait_for_event(lambda: int(store.add(ARRIVED_KEY, 0)) >= world_size, timeout_s, 0.02,
+                   flag.raised)
 
 
 def bounded_broadcast(comm: WeightCommunicator, tensor: Any, deadline: Deadline) -> None:
@@ -414,8 +431,8 @@ class WeightReloadExtension:
         A group this worker was in before is aborted first (the trainer formed a new one)."""
         self.sluice_drop_weight_group()
         rank = rank_offset + self.rank  # type: ignore[attr-defined]
-        self._sluice_comm = build_weight_communicator(backend, host, port, rank, world_size,
-                                                      self.device, timeout_s)  # type: ignore[attr-defined]
+        self._sluice_comm = join_weight_group(backend, host, port, rank, world_size,
+                                              self.device, timeout_s)  # type: ignore[attr-defined]
         self._sluice_timeout_s = timeout_s
         return rank
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.router import Router, is_engine_failure
 from rollout.weight_reload import (
+    AbortFlag,
     Bucket,
     CommBackend,
     Deadline,
@@ -44,6 +45,7 @@ from rollout.weight_reload import (
     WeightGroupError,
     abort_quietly,
     bounded_broadcast,
+    build_store,
     build_weight_communicator,
     checksum_tensors,
     dtype_name,
@@ -106,43 +108,43 @@ class WeightSender:
 
     def __init__(self, backend: CommBackend, device: Any, timeout_s: float) -> None:
         self.backend, self.device, self.timeout_s = backend, device, timeout_s
-        self._socket: socket.socket | None = None
-        self._address: tuple[str, int] | None = None
+        self._store: Any = None  # the group's rendezvous, served from this process
         self._comm: WeightCommunicator | None = None
-        self._retired: WeightCommunicator | None = None  # the last group left
+        self._retired: Any = None  # the last group left, (store, communicator)
 
     @property
     def connected(self) -> bool:
         return self._comm is not None
 
     def listen(self, host: str) -> tuple[str, int]:
+        """Serve a new group's store on `host` (a free port); engines join it there."""
         self.drop()
         self._retired = None
-        self._socket = open_listen_socket(host)
-        self._address = (host, int(self._socket.getsockname()[1]))
-        return self._address
+        sock = open_listen_socket(host)
+        port = int(sock.getsockname()[1])
+        self._store = build_store(host, port, self.timeout_s, listen_socket=sock)
+        return host, port
 
     def connect(self, world_size: int) -> None:
-        """Blocks until every engine worker joined (at most sync.timeout_s in the store)."""
-        if self._address is None or self._socket is None:
+        """Blocks until every engine worker joined (at most sync.timeout_s, less if `drop`
+        gives up on the group meanwhile)."""
+        if self._store is None:
             raise RuntimeError("WeightSender.connect before listen")
-        host, port = self._address
-        sock, self._socket = self._socket, None  # the store owns it now
         with self._on_device():
-            self._comm = build_weight_communicator(self.backend, host, port, 0, world_size,
-                                                   self.device, self.timeout_s, listen_socket=sock)
+            self._comm = build_weight_communicator(self.backend, self._store, 0, world_size,
+                                                   self.device, self.timeout_s)
 
     def drop(self) -> None:
-        """Leave the group (abort: the other ranks may be gone). The group's store lives in
-        this process and holds the abort mark the others are reading: it is kept until the
-        next group forms, by which time every rank left this one."""
+        """Leave the group, forming or formed: set the abort mark every rank waiting in it
+        reads, and abort this communicator (the other ranks may be gone). The store lives
+        in this process and holds that mark: it is kept until the next group forms, by
+        which time every rank left this one."""
         comm, self._comm = self._comm, None
-        if comm is not None:
-            self._retired = comm
+        if self._store is not None:
+            AbortFlag(self._store).raise_()
+            self._retired = (self._store, comm)
+            self._store = None
         abort_quietly(comm)
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         """NCCL runs on the current CUDA device's stream; a caller thread may have another."""
@@ -270,12 +272,8 @@ class BroadcastPusher:
                 return outcome((), failures)
             capture = _Capture(walk, names)
             sender_started = True
-            send = asyncio.ensure_future(self._send_in_thread(buckets, capture, sender_done))
-            receives = {n: asyncio.ensure_future(self._bounded(e.receive_weights(version, wire)))
-                        for n, e in engines.items()}
-            await self._abort_on_first_failure([send, *receives.values()])
-            results = await asyncio.gather(send, *receives.values(), return_exceptions=True)
-            sent, received = results[0], dict(zip(receives, results[1:]))
+            sent, received = await self._send_and_receive(version, engines, buckets, wire,
+                                                          capture, sender_done)
             failures = [self._failure(n, r) for n, r in received.items() if isinstance(r, BaseException)]
             served = tuple(n for n, r in received.items() if not isinstance(r, BaseException))
             if isinstance(sent, BaseException) or failures:
@@ -297,6 +295,19 @@ class BroadcastPusher:
             else:
                 log.error("the weight send thread is stuck past its deadline; train rank 0 "
                           "cannot walk its weights again")
+
+    async def _send_and_receive(self, version: int, engines: Mapping[str, EngineClient],
+                                buckets: Sequence[Bucket], wire: list[dict[str, Any]],
+                                capture: _Capture, sender_done: threading.Event
+                                ) -> tuple[Any, dict[str, Any]]:
+        """Rank 0 broadcasts while every engine receives; (what the send returned or
+        raised, each engine's result or exception)."""
+        send = asyncio.ensure_future(self._send_in_thread(buckets, capture, sender_done))
+        receives = {n: asyncio.ensure_future(self._bounded(e.receive_weights(version, wire)))
+                    for n, e in engines.items()}
+        await self._abort_on_first_failure([send, *receives.values()])
+        results = await asyncio.gather(send, *receives.values(), return_exceptions=True)
+        return results[0], dict(zip(receives, results[1:]))
 
     async def _abort_on_first_failure(self, calls: list[asyncio.Future]) -> None:
         """Wait for every call; once one fails (Ray reports an engine dead, a rank's
@@ -353,10 +364,11 @@ class BroadcastPusher:
         host, port = self.sender.listen(self.host)
         world_size = 1 + len(names) * self.tp_size
         offsets = engine_rank_offsets(names, self.tp_size)
-        connect = self._bounded(asyncio.to_thread(self.sender.connect, world_size))
-        joins = {n: self._bounded(e.init_weight_group(host, port, offsets[n], world_size,
-                                                      self.backend, self.timeout_s))
+        connect = asyncio.ensure_future(self._bounded(asyncio.to_thread(self.sender.connect, world_size)))
+        joins = {n: asyncio.ensure_future(self._bounded(e.init_weight_group(
+                     host, port, offsets[n], world_size, self.backend, self.timeout_s)))
                  for n, e in engines.items()}
+        await self._abort_on_first_failure([connect, *joins.values()])
         results = await asyncio.gather(connect, *joins.values(), return_exceptions=True)
         failures = [self._failure(n, r) for n, r in zip(joins, results[1:]) if isinstance(r, BaseException)]
         if isinstance(results[0], BaseException) and not failures:

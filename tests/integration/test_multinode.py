@@ -4,7 +4,8 @@ rank, and two CPU nodes offering the `sandbox` resource. A short real run (vLLM 
 DeepSpeed rank, real sandboxes) whose trajectories each write a 1 MiB file shows that
 the agent-loop workers and the grading run on the sandbox nodes, that every workspace
 was graded where it was made, and counts the bytes the driver received: scored groups,
-never workspaces."""
+never workspaces. Weights go the cluster way: train rank 0 broadcasts them to the engine
+across nodes (sync.transport=gloo, the NCCL path over gloo), never through the driver."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def test_workers_and_grading_run_on_sandbox_nodes_and_no_workspace_reaches_the_d
         "agent.loop=cluster_plugins:BigWorkspaceLoop", "reward.fn=cluster_plugins:WhereGraded",
         "agent.max_new_tokens_per_turn=8", "train.num_steps=2", "train.group_size=2",
         "train.groups_per_step=2", f"logging.output_dir={tmp_path}", "logging.run_name=multi",
-        "logging.wandb_mode=disabled", "logging.console=false", "cluster.pool_ready_timeout_s=60"])
+        "logging.wandb_mode=disabled", "logging.console=false", "cluster.pool_ready_timeout_s=60",
+        "sync.transport=gloo"])
     summary, run_dir = asyncio.run(run(cfg, "multi"))
     assert summary.steps == 2
 

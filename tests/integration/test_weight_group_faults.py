@@ -1,7 +1,7 @@
 """The weight broadcast group when a receiver hangs or dies mid-push, in real processes
 over real gloo: rank 0 is the trainer's WeightSender, each receiver a process running
-the engine workers' own receive code (build_weight_communicator, BucketReceiver, the
-push deadline). Whatever happens to the victim, rank 0 and the surviving receivers leave
+the engine workers' own receive code (join_weight_group, BucketReceiver, the push
+deadline). Whatever happens to the victim, rank 0 and the surviving receivers leave
 the group within sync.timeout_s instead of waiting in a collective, and a new group with
 the survivors (new rendezvous, smaller world) delivers the weights intact. A hung victim
 costs the deadline; a dead one costs the time until rank 0 hears of it (from Ray, in the
@@ -25,7 +25,7 @@ from rollout.weight_reload import (
     BucketReceiver,
     Deadline,
     WeightGroupError,
-    build_weight_communicator,
+    join_weight_group,
     checksum_tensors,
     decode_plan,
     encode_plan,
@@ -45,8 +45,12 @@ def stand_in(commands, replies) -> None:
         command = commands.get()
         if command[0] == "join":
             _, host, port, rank, world_size, timeout_s = command
-            comm = build_weight_communicator("gloo", host, port, rank, world_size, "cpu", timeout_s)
-            replies.put(("joined", rank))
+            start = time.monotonic()
+            try:
+                comm = join_weight_group("gloo", host, port, rank, world_size, "cpu", timeout_s)
+                replies.put(("joined", rank))
+            except WeightGroupError as exc:
+                replies.put(("not joined", str(exc), time.monotonic() - start))
         elif command[0] == "receive":
             _, wire, timeout_s, stop_after = command
             start, got = time.monotonic(), {}
@@ -144,5 +148,25 @@ def test_a_receiver_that_hangs_or_dies_mid_push_frees_every_rank_within_the_boun
         expected = checksum_tensors(weights, sorted(weights))
         assert [receivers.reply(i)[:2] for i in survivors] == [("ok", expected)] * 2
         print(f"\n{fault}: rank 0 left the group after {rank0_s:.2f}s (sync.timeout_s={timeout_s})")
+    finally:
+        receivers.close()
+
+
+def test_forming_a_group_stops_waiting_for_a_missing_rank_once_rank_zero_gives_up():
+    """An engine that dies before joining (Ray tells rank 0, which drops the group):
+    rank 0 and the engines that joined stop waiting for it at once, not at the deadline."""
+    timeout_s = 60.0
+    receivers = Receivers(2)
+    try:
+        sender = WeightSender("gloo", "cpu", timeout_s)
+        host, port = sender.listen("127.0.0.1")
+        receivers.queues[0][0].put(("join", host, port, 1, 3, timeout_s))  # rank 2 never comes
+        threading.Timer(1.0, sender.drop).start()
+        start = time.monotonic()
+        with pytest.raises(WeightGroupError, match="another rank aborted"):
+            sender.connect(3)
+        assert time.monotonic() - start < 5
+        status, message, seconds = receivers.reply(0)
+        assert status == "not joined" and "aborted" in message and seconds < 5
     finally:
         receivers.close()
