@@ -214,3 +214,50 @@ async def test_a_multi_token_stop_string_is_refused_and_counted(tokenizer, chat)
     (segment,) = gateway.close_session(session.id, TerminationReason.FINISHED)
     assert segment.prompt_ids.tolist() == engine.prompts[0]
     assert gateway.stats().num_prefix_breaks == 0
+
+
+async def test_rpc_peers_call_each_other_and_fail_pending_calls_on_close():
+    """The worker <-> gateway-process link (rollout.gateway_procs): calls both ways, in
+    parallel, errors come back as the caller's error, a closed link fails what is pending."""
+    import asyncio
+    import socket
+
+    from rollout.gateway_procs import RpcPeer
+
+    a_sock, b_sock = socket.socketpair()
+    (ra, wa), (rb, wb) = [await asyncio.open_unix_connection(sock=s) for s in (a_sock, b_sock)]
+    hold = asyncio.Event()
+
+    async def slow(x):
+        await hold.wait()
+        return x * 2
+
+    async def boom():
+        raise KeyError("nope")
+
+    a = RpcPeer(ra, wa, {"slow": slow})
+    b = RpcPeer(rb, wb, {"echo": lambda *args: asyncio.sleep(0, args), "boom": boom})
+    serving = [asyncio.create_task(a.serve()), asyncio.create_task(b.serve())]
+    pending = asyncio.create_task(b.call("slow", 21))
+    assert await a.call("echo", 1, "x") == (1, "x")  # answered while "slow" is still running
+    with pytest.raises(RuntimeError, match="KeyError"):
+        await a.call("boom")
+    hold.set()
+    assert await pending == 42
+    never = asyncio.create_task(b.call("slow", 1))
+    hold.clear()
+    await asyncio.sleep(0.01)
+    a.close()
+    with pytest.raises(ConnectionError):
+        await never
+    await asyncio.gather(*serving, return_exceptions=True)
+
+
+def test_chat_spec_rebuilds_the_same_builder(tokenizer, chat):
+    from rollout.gateway_procs import ChatSpec
+
+    spec = ChatSpec.of(chat)
+    assert (spec.family, spec.tool_parser, spec.reasoning_parser) == ("tiny", "hermes", "none")
+    _, rebuilt = spec.build()
+    messages = parse_openai_request({"messages": HEAD}).messages
+    assert rebuilt.initial_prompt_ids(messages, None) == chat.initial_prompt_ids(messages, None)
