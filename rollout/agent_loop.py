@@ -23,7 +23,7 @@ from envs.trajectory_env import TrajectoryEnv
 from rollout.chat import ContinuityBuilder, check_continuity
 from rollout.engine import Sampling, TokenOutput
 from rollout.gate import TurnGate
-from rollout.recorder import Budgets, TrajectoryRecorder
+from rollout.recorder import BudgetExhausted, Budgets, TrajectoryRecorder
 from rollout.router import Router
 from rollout.parsers import parse_generation
 from rollout.tool_parser import ParsedTurn, validate_arguments
@@ -123,6 +123,8 @@ class AgentContext:
         rec = self.recorder
         if rec is None:
             raise RuntimeError("call ctx.start(prompt_ids) before ctx.generate()")
+        if (stop := rec.generation_stop()) is not None:
+            raise BudgetExhausted(stop)  # never a request with max_tokens <= 0
         room = rec.room_for_generation()
         s = self.settings
         sampling = Sampling(max_new_tokens=min(room, max_new_tokens or room),
@@ -250,8 +252,8 @@ class SingleTurnLoop:
 
     async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
         rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, None))
-        if rec.room_for_generation() <= 0:
-            return rec.finish(TerminationReason.CONTEXT_FULL, "the prompt fills the context")
+        if (stop := rec.generation_stop()) is not None:
+            return rec.finish(stop, "the prompt fills the context")
         out = await ctx.generate()
         if out.finish_reason == "abort":
             return rec.finish(TerminationReason.ERROR, "generation was aborted")
@@ -286,9 +288,8 @@ class ToolAgentLoop:
     async def _run(self, task: Task, ctx: AgentContext, transcript: list[Message]) -> Trajectory:
         rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
         for _ in range(ctx.settings.max_turns):
-            if rec.room_for_generation() <= 0:
-                full = rec.budgets.max_context_tokens - len(rec.context_ids) <= 0
-                return rec.finish(TerminationReason.CONTEXT_FULL if full else TerminationReason.MAX_TOKENS)
+            if (stop := rec.generation_stop()) is not None:
+                return rec.finish(stop)
             out = await ctx.generate()
             if out.finish_reason == "abort":
                 return rec.finish(TerminationReason.ERROR, "generation was aborted")

@@ -24,6 +24,16 @@ class Budgets:
     max_new_tokens_per_turn: int
 
 
+class BudgetExhausted(Exception):
+    """A generate call with no room left: the trajectory ends with `reason` (context_full or
+    max_tokens), not as an error. Raised by AgentContext.generate for loops that do not check
+    `generation_stop()` first; the worker finishes the trajectory with the reason."""
+
+    def __init__(self, reason: TerminationReason) -> None:
+        super().__init__(f"no room for another generation ({reason.value})")
+        self.reason = reason
+
+
 class TrajectoryRecorder:
     """Appends to one trajectory. Chunks are numpy arrays; the running context is cached
     so each turn costs one concatenation of the new chunk, not of the whole history."""
@@ -68,6 +78,15 @@ class TrajectoryRecorder:
         b = self.budgets
         return min(b.max_new_tokens_per_turn, b.max_response_tokens - self.num_response_tokens,
                    b.max_context_tokens - len(self._context))
+
+    def generation_stop(self) -> TerminationReason | None:
+        """None while another turn may generate; otherwise why the trajectory must end:
+        context_full when the context is full, else max_tokens (a response budget)."""
+        if self.room_for_generation() > 0:
+            return None
+        if self.budgets.max_context_tokens - len(self._context) <= 0:
+            return TerminationReason.CONTEXT_FULL
+        return TerminationReason.MAX_TOKENS
 
     def _append(self, ids: np.ndarray, mask: int, logprobs: np.ndarray | None,
                 versions: np.ndarray | None) -> None:

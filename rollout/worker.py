@@ -39,6 +39,7 @@ from reward.loop import RewardLoop
 from rollout.agent_loop import AgentContext, LoopSettings, ToolActivity, load_agent_loop
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
+from rollout.recorder import BudgetExhausted
 from rollout.gateway import GatewayStats, sum_gateway_stats
 from rollout.gateway_loop import GatewayAgentLoop
 from rollout.router import Router
@@ -155,6 +156,8 @@ class AgentLoopWorker:
             trajectory = await asyncio.wait_for(self.loop_for(task).run(task, ctx),
                                                 self.trajectory_timeout_s)
             _check_result(trajectory, ctx)
+        except BudgetExhausted as exc:  # the loop asked for a turn the budgets have no room for
+            trajectory = self._salvage(ctx, exc.reason, str(exc))
         except TimeoutError:
             trajectory = self._salvage(ctx, TerminationReason.TIMEOUT,
                                        f"exceeded agent.trajectory_timeout_s={self.trajectory_timeout_s:g}")

@@ -217,6 +217,30 @@ class CountingLoop:
         return rec.finish(TerminationReason.FINISHED, "counting loop")
 
 
+class GreedyLoop:
+    """A user loop that never checks the budgets: generates until something stops it."""
+
+    async def run(self, task, ctx):
+        ctx.start(ctx.chat.initial_prompt_ids(task.messages, None))
+        while True:
+            out = await ctx.generate()
+            ctx.recorder.add_observation([ctx.chat.end_of_turn_id] * 3, 0, 0, 0.0)
+            assert len(out.token_ids) > 0
+
+
+async def test_a_loop_that_ignores_the_budgets_ends_by_the_budget_not_as_an_error(tokenizer):
+    prompt_len = len(build_continuity_builder(tokenizer, "tiny").initial_prompt_ids(TASK.messages, None))
+    worker, engine = make_worker(tokenizer, ["LENGTH:" + "blah " * 100], max_context=prompt_len + 100,
+                                 max_response_tokens=900, default_loop=f"{__name__}:GreedyLoop")
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.termination is TerminationReason.CONTEXT_FULL, t.termination_detail
+    assert all(len(p) < prompt_len + 100 for p in engine.prompts["g/0"])  # no request with no room
+    worker, _ = make_worker(tokenizer, ["LENGTH:" + "blah " * 100], max_response_tokens=120,
+                            default_loop=f"{__name__}:GreedyLoop")
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.termination is TerminationReason.MAX_TOKENS and t.num_model_tokens > 0
+
+
 async def test_exceptions_become_error_trajectories_and_user_loops_load(tokenizer):
     worker, _ = make_worker(tokenizer, ["hi"], default_loop=f"{__name__}:ExplodingLoop")
     group = await worker.run_group(TASK, "g", 2)
