@@ -233,7 +233,7 @@ class Turn:
     num_tool_errors: int = 0  # timeouts included
     generate_s: float = 0.0
     tool_s: float = 0.0
-    queue_s: float = 0.0  # time waiting at the turn gate or for a sandbox
+    queue_s: float = 0.0  # time waiting at the turn gate (a sandbox wait is env/open_s_total, outside the budget)
     num_tool_timeouts: int = 0  # calls cut by agent.tool_timeout_s
     engine: str = ""  # the engine that generated it
     started_at: float = 0.0  # unix time the turn reached the turn gate (timelines)
