@@ -120,7 +120,8 @@ def image_workdir_source(image: str, workdir: str, cache_dir: str | None = None,
     engine = engine or engines.detect_engine()
     if not engines.image_exists(engine, image):
         raise ValueError(f"image {image!r} is not in {engine.name}'s local storage on this "
-                         "node; prewarm the recipe's images (envs.images_archive_dir) or build it")
+                         "node; build it here or put its `podman save` archive in "
+                         f"{default_archive_dir()} for prewarm")
     digest = image_id(engine, image)[:16]
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{image}{workdir}")[-80:]
     dest = os.path.join(cache_dir or str(default_cache_dir()), "image_src", f"{safe}-{digest}")
