@@ -4,13 +4,15 @@ a task image built locally (envs.tasks.images: the host-built base, the reposito
 image and working at /testbed, and grading in a FRESH container of the image through
 the real reward path: the gold patch scores 1, the empty patch 0, and the result says
 which path graded it. Then the swebench log-parser path (a django-style runner and
-`parse_log_django`): its rows validate, and a forged status line is caught."""
+`parse_log_django`): its rows validate, and a forged status line is caught. Last, prewarm
+loads the image back from its `podman save` archive."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,9 @@ from reward.workspace import WorkspaceChanges
 
 
 @pytest.fixture(scope="module")
-def image_row(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """An image-only SWE-smith row (repository only in its image, at /testbed)."""
+def image_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
+    """An image-only SWE-smith row (repository only in its image, at /testbed); the task
+    image is removed afterwards (its base and project layers stay cached)."""
     sandbox_factory("container")  # skips without root, bubblewrap or a working podman
     from envs.sandbox.engine import detect_engine
     from envs.tasks.images import build_task_image, ensure_project_image, swe_smith_image_name
@@ -48,7 +51,10 @@ def image_row(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     path = tmp / "tasks.jsonl"
     path.write_text(json.dumps(row) + "\n")
     shutil.rmtree(repo)  # the repository now lives only in the image
-    return path, row
+    yield path, row
+    from envs.sandbox.engine import run_engine
+
+    run_engine(engine, "rmi", "--force", image)
 
 
 def test_image_only_row_works_and_grades_at_testbed(image_row: tuple[Path, dict]) -> None:
@@ -134,3 +140,23 @@ def test_runner_row_forged_status_line_is_tampering(runner_rows: Path) -> None:
     assert result.components["graded_by_swebench_log"] == 1.0
     gold = gold_changes(task, row["patch"])
     assert asyncio.run(grade(task, gold)).reward == 1.0
+
+
+def test_prewarm_loads_a_missing_image_from_its_archive(image_row: tuple[Path, dict],
+                                                        tmp_path: Path) -> None:
+    """The node lacks the task image; prewarm loads it from `podman save`'s archive and
+    names what it cannot find anywhere."""
+    from envs.sandbox.engine import detect_engine, image_exists, run_engine
+    from envs.sandbox.images import prewarm_images
+    from envs.tasks.images import save_archive
+
+    _, row = image_row
+    engine, image = detect_engine(), row["image_name"]
+    save_archive(engine, image, str(tmp_path))
+    run_engine(engine, "rmi", image)
+    assert not image_exists(engine, image)
+    got = prewarm_images([image], str(tmp_path))
+    assert (got.num_ready, got.num_loaded, got.num_pulled) == (0, 1, 0)
+    assert image_exists(engine, image)
+    with pytest.raises(ValueError, match=r"localhost/sluice-never-built"):
+        prewarm_images([image, "localhost/sluice-never-built"], str(tmp_path))
