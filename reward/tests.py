@@ -22,6 +22,13 @@ findings of the diff and the transcript (reward.hacking) are added to every resu
 zero it under reward.hack_policy=zero. A workspace that could not be captured (over
 envs.max_workspace_changes_mb, or the capture failed) is not graded: reward 0,
 component `workspace_error`.
+
+An image-only task (Task.workdir, e.g. /testbed) is graded the same way with its image's
+repository as the base (read out on this node, envs.sandbox.images), the folder shown at
+that path in a fresh container of the task's image, on the image's Python. A task graded
+by its repository's own runner (Task.log_parser) runs that command through the driver's
+command mode and swebench's parser instead of pytest (reward.swebench_log). Components
+`graded_by_<path>` and `graded_in_image` say which path graded it.
 """
 
 from __future__ import annotations
