@@ -1,9 +1,11 @@
 """Image prewarm's decisions (present, loaded from an archive, pulled, missing: named) on
 a fake engine, the pool metrics it feeds, and the swebench log path's reading of a
-runner's output: statuses, forged lines, exit-code cross-check."""
+runner's output: statuses, forged lines, exit-code cross-check; and which backend a
+recipe's image tasks need."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,17 @@ def test_runner_tasks_need_command_and_parser_together() -> None:
         Task("r", (Message("user", "x"),), image="i", workdir="/testbed", fail_to_pass=(TEST,))
     with pytest.raises(ValueError, match="workdir.*needs an image"):
         Task("r", (Message("user", "x"),), source_dir="/s", workdir="/testbed")
+
+
+def test_recipe_images_and_the_backend_they_need() -> None:
+    from trainer.config import SluiceConfig
+    from trainer.system import task_images
+
+    local = Task("l", (Message("user", "x"),), source_dir="/s", image="localhost/l")
+    cfg = SluiceConfig()
+    assert cfg.envs.sandbox_backend == "local"
+    assert task_images(cfg, [local, local]) == ["localhost/l"]  # ignored by local pools
+    with pytest.raises(ValueError, match="envs.sandbox_backend=container"):
+        task_images(cfg, [RUNNER_TASK])  # its repository is in its image: local cannot run it
+    cfg = dataclasses.replace(cfg, envs=dataclasses.replace(cfg.envs, sandbox_backend="container"))
+    assert task_images(cfg, [local, RUNNER_TASK, local]) == ["localhost/l", "localhost/r"]
