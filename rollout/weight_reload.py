@@ -225,9 +225,9 @@ def wait_for_event(is_done: Any, timeout_s: float, poll_s: float,
 
 class GlooBroadcast:
     """Broadcast over a gloo process group that lives outside torch.distributed's
-    default group (CPU tensors)."""
-
-    POLL_S = 0.001
+    default group (CPU tensors). Waits in slices of AbortFlag.CHECK_S (gloo lets a timed
+    out wait be waited on again), so a finished op returns at once and the abort mark is
+    read between slices."""
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
         from torch.distributed import PrefixStore, ProcessGroupGloo
@@ -244,8 +244,19 @@ class GlooBroadcast:
         options = BroadcastOptions()
         options.rootRank, options.rootTensor = src, 0
         work = self._group.broadcast([tensor], options)
-        wait_for_event(work.is_completed, timeout_s, self.POLL_S, self._flag.raised)
-        work.wait()  # raises what failed the op (a peer's connection reset)
+        end = time.monotonic() + timeout_s
+        while True:
+            slice_s = min(AbortFlag.CHECK_S, end - time.monotonic())
+            if slice_s <= 0:
+                raise TimeoutError(f"a weight broadcast did not finish within {timeout_s:.1f}s")
+            try:
+                work.wait(timedelta(seconds=slice_s))
+                return
+            except RuntimeError as exc:  # what failed the op (a peer's reset), or the slice
+                if work.is_completed() or "timed out" not in str(exc).lower():
+                    raise
+            if self._flag.raised():
+                raise WeightGroupError("another rank aborted the weight group")
 
     def abort(self) -> None:
         group, self._group = self._group, None

@@ -92,6 +92,8 @@ async def main_async(args: argparse.Namespace) -> None:
                           enforce_eager=True)
         router = Router(await start_engines(spec, args.engines))
         pushes = Pushes(router, args.timeout, args.bucket_mb << 20)
+        engine_code = ray.get(router.engines[router.engine_names[0]].handle.__ray_call__.remote(
+            lambda actor: __import__("rollout.engine").engine.__file__))
         healthy = []
         version = 0
         for _ in range(args.pushes):
@@ -128,7 +130,7 @@ async def main_async(args: argparse.Namespace) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     api = "old API (driver plans)" if pushes.old_api else "new API (rank 0 plans)"
     print(f"machine: {platform.node()} | {platform.machine()} | {os.cpu_count()} cores | "
-          f"python {platform.python_version()} | {api}")
+          f"python {platform.python_version()} | {api} | engines run {engine_code}")
     print(f"command: python tests/bench/bench_weight_group_faults.py --hidden {args.hidden} "
           f"--layers {args.layers} --engines {args.engines} --pushes {args.pushes} "
           f"--timeout {args.timeout} --bucket-mb {args.bucket_mb}")

@@ -30,6 +30,7 @@ from trainer.backends.packing import (build_micro_batches, pack_trajectories, un
                                       unpack_sequences)
 from trainer.backends.policy_model import build_policy_model
 from trainer.config import LossConfig, TrainConfig
+from trainer.weight_sync_nccl import specs_of
 
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run Python code and return its output.",
@@ -263,6 +264,8 @@ def test_pushed_weights_are_updated_and_reproduce_backend_logprobs(
     backend.train_step(with_behaviour(backend, trajectories[:4]), [1.0, -1.0, 0.5, -0.5],
                        LossConfig())
     pushed = backend.state_dict_for_push()
+    # What the broadcast push plans from without gathering: the gathered tensors' specs.
+    assert backend.push_specs() == specs_of(pushed)
     original = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
     assert set(pushed) == set(original)
     for name, tensor in pushed.items():

@@ -52,7 +52,8 @@ def stand_in(commands, replies) -> None:
             except WeightGroupError as exc:
                 replies.put(("not joined", str(exc), time.monotonic() - start))
         elif command[0] == "receive":
-            _, wire, timeout_s, stop_after = command
+            _, wire, timeout_s, stop_after, delay_s = command
+            time.sleep(delay_s)  # a slow receiver: the others wait for it, across slices
             start, got = time.monotonic(), {}
             receiver = BucketReceiver(comm, decode_plan(wire), "cpu", Deadline(timeout_s))
             try:
@@ -117,7 +118,7 @@ def test_a_receiver_that_hangs_or_dies_mid_push_frees_every_rank_within_the_boun
     try:
         sender = receivers.form_group([0, 1, 2], timeout_s)
         for i in range(3):
-            receivers.queues[i][0].put(("receive", wire, timeout_s, 1 if i == victim else None))
+            receivers.queues[i][0].put(("receive", wire, timeout_s, 1 if i == victim else None, 0))
         if fault == "dies":
             # Ray reports the engine dead; rank 0's pusher then aborts the group (its
             # blocked send, and through the store's abort mark every survivor's wait).
@@ -140,10 +141,11 @@ def test_a_receiver_that_hangs_or_dies_mid_push_frees_every_rank_within_the_boun
         if fault == "hangs":
             os.kill(receivers.procs[victim].pid, signal.SIGKILL)
 
-        # The survivors, in the same processes, form a smaller group and get everything.
+        # The survivors, in the same processes, form a smaller group and get everything,
+        # though one starts late (rank 0 waits for it over several wait slices).
         sender = receivers.form_group(survivors, timeout_s)
         for i in survivors:
-            receivers.queues[i][0].put(("receive", wire, timeout_s, None))
+            receivers.queues[i][0].put(("receive", wire, timeout_s, None, 0.5 if i == 0 else 0))
         assert sender.send(buckets, iter(weights.items()), Deadline(timeout_s)) == 32 * MiB
         expected = checksum_tensors(weights, sorted(weights))
         assert [receivers.reply(i)[:2] for i in survivors] == [("ok", expected)] * 2

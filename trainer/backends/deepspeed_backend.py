@@ -23,7 +23,7 @@ import torch
 from envs.types import Trajectory
 from trainer.backends.packing import PackedBatch
 from trainer.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
-                                           resolve_dtype)
+                                           resolve_dtype, weight_specs)
 from trainer.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
                                    compute_warmup_factor, run_train_step)
 from trainer.config import LossConfig, TrainConfig
@@ -186,10 +186,8 @@ class DeepSpeedBackend:
             yield name, full
 
     def push_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
-        """(name, full shape, dtype name, element size) of what `iter_push_tensors` yields,
-        in its order, without gathering anything (a ZeRO-3 shard knows its full shape)."""
-        return [(name, tuple(getattr(t, "ds_shape", t.shape)), str(t.dtype).removeprefix("torch."),
-                 t.element_size()) for name, t in iter_weight_names(self._engine.module)]
+        """(name, full shape, dtype name, element size) of what `iter_push_tensors` yields."""
+        return weight_specs(self._engine.module)
 
     def save_state(self, folder: str | Path) -> None:
         """Model, optimizer, scheduler and version (DeepSpeed's own sharded format; every

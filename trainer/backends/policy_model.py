@@ -99,6 +99,13 @@ def iter_persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torc
                 yield (f"{prefix}.{name}" if prefix else name), buf
 
 
+def weight_specs(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """(name, full shape, dtype name, element size) of every `iter_weight_names` entry, in
+    its order, without copying or gathering (a ZeRO-3 shard knows its full shape)."""
+    return [(name, tuple(getattr(t, "ds_shape", t.shape)), str(t.dtype).removeprefix("torch."),
+             t.element_size()) for name, t in iter_weight_names(module)]
+
+
 def iter_weight_names(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every state_dict entry of a Hugging Face model as (name, tensor), tied weights under
     each of their names, parameters first."""

@@ -13,7 +13,7 @@ import torch
 from envs.types import Trajectory
 from trainer.backends.packing import PackedBatch
 from trainer.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
-                                           resolve_dtype)
+                                           resolve_dtype, weight_specs)
 from trainer.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
                                    compute_warmup_factor, run_train_step)
 from trainer.config import LossConfig, TrainConfig
@@ -98,6 +98,10 @@ class TorchBackend:
         self._optimizer.load_state_dict(state["optimizer"])
         self._scheduler.load_state_dict(state["scheduler"])
         self._version = int(state["version"])
+
+    def push_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]:
+        """(name, shape, dtype name, element size) of what `state_dict_for_push` holds."""
+        return weight_specs(self._model)
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
         """Full weights under Hugging Face names as CPU tensors."""
