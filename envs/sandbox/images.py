@@ -143,10 +143,17 @@ def _copy_out(engine: engines.ContainerEngine, image: str, workdir: str, dest: s
         engines.run_engine(engine, "image", "unmount", image, timeout_s=120)
 
 
+_sources: dict[tuple[str, str], str] = {}  # (image, workdir) -> its folder, this process
+
+
 def task_source_dir(task: Task) -> str | None:
     """The folder a sandbox for `task` starts from on this node: its source_dir, or for an
-    image-only task (Task.workdir) the image's repository read out of it."""
+    image-only task (Task.workdir) the image's repository read out of it (looked up once
+    per process: images do not change under a running job)."""
     if task.source_dir is not None or task.workdir is None:
         return task.source_dir
     assert task.image is not None  # Task checks that a workdir has an image
-    return image_workdir_source(task.image, task.workdir)
+    key = (task.image, task.workdir)
+    if key not in _sources or not os.path.isdir(_sources[key]):
+        _sources[key] = image_workdir_source(task.image, task.workdir)
+    return _sources[key]
