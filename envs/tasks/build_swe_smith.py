@@ -334,14 +334,26 @@ def _build_image_set(out_dir: str) -> None:
 
 def _ensure_images(out_dir: str, path: str) -> None:
     """Every row's image present and built on its project's current image (rebuilt from
-    the cached repositories otherwise)."""
+    the cached repositories otherwise); one listing of the storage checks them all."""
+    from envs.sandbox.engine import detect_engine, run_engine
+    from envs.tasks.images import ensure_project_image
+
+    engine = detect_engine()
+    listed = run_engine(engine, "images", "--filter", "label=sluice.parent", "--format",
+                        '{{.Repository}} {{index .Labels "sluice.parent"}}')
+    parents = dict(line.split(" ", 1) for line in listed.splitlines() if " " in line)
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     by_repo = {p.repo: (n, p) for n, p in PROJECTS.items()}
+    project_images: dict[str, str] = {}
     for row in rows:
         name, project = by_repo[row["repo"]]
-        repo = os.path.join(out_dir, name, "repos", project.repo.replace("/", "__"))
-        with_image(row, repo, project, os.path.join(out_dir, name), archive=False)
+        if name not in project_images:
+            project_images[name] = ensure_project_image(engine, project.package,
+                                                        project.requirements)
+        if parents.get(row["image_name"]) != project_images[name]:
+            repo = os.path.join(out_dir, name, "repos", project.repo.replace("/", "__"))
+            with_image(row, repo, project, os.path.join(out_dir, name), archive=False)
 
 
 def build_bundled_set(cache_dir: str) -> str:
