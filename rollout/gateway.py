@@ -19,9 +19,11 @@ session's first: 0 on the exact path).
 
 Each session has its own bearer token (OpenAI `Authorization: Bearer`, Anthropic
 `x-api-key`); a sandboxed harness holding one cannot write into another session.
-Requests of one session are served one at a time. The gateway runs on the event loop of
-the router and the turn gate (the agent-loop worker's), so a weight push still lands
-between turns. fastapi and uvicorn are imported only when the app is built.
+Requests of one session are served one at a time. Generations go through a TurnService:
+the turn gate and the router of the agent-loop worker (LocalTurns, when the gateway runs
+on the worker's event loop; RemoteTurns from a gateway process, rollout.gateway_procs), so
+a weight push still lands between turns. fastapi and uvicorn are imported only when the
+app is built.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations

@@ -79,8 +79,11 @@ class RpcPeer:
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.closed = False
 
     async def call(self, method: str, *args: Any) -> Any:
+        if self.closed:
+            raise ConnectionError(f"the gateway connection is closed ({method} not sent)")
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
@@ -109,6 +112,7 @@ class RpcPeer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.closed = True
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(ConnectionError("the gateway connection closed"))

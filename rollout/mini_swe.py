@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,7 @@ class SandboxEnvironment:
     def execute(self, action: Mapping[str, Any], cwd: str = "", *, timeout: int | None = None) -> dict[str, Any]:
         command = str(action.get("command", ""))
         if cwd:
-            command = f"cd {_quote(cwd)} && {command}"
+            command = f"cd {shlex.quote(cwd)} && {command}"
         future = asyncio.run_coroutine_threadsafe(self.sandbox.exec(["bash", "-c", command]), self.loop)
         self.num_executed += 1
         try:
@@ -103,12 +104,6 @@ class SandboxEnvironment:
     def serialize(self) -> dict[str, Any]:
         return {"info": {"config": {"environment": self.config.model_dump(mode="json"),
                                     "environment_type": f"{__name__}.{type(self).__name__}"}}}
-
-
-def _quote(path: str) -> str:
-    import shlex
-
-    return shlex.quote(path)
 
 
 class MiniSweAgentLoop(GatewayAgentLoop):

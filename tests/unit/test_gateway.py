@@ -251,6 +251,8 @@ async def test_rpc_peers_call_each_other_and_fail_pending_calls_on_close():
     with pytest.raises(ConnectionError):
         await never
     await asyncio.gather(*serving, return_exceptions=True)
+    with pytest.raises(ConnectionError, match="not sent"):  # a dead process fails fast, never hangs
+        await b.call("slow", 2)
 
 
 def test_chat_spec_rebuilds_the_same_builder(tokenizer, chat):
