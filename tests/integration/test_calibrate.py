@@ -20,8 +20,8 @@ from launch.calibrate import (HIT_RATE_TOLERANCE, CacheExperiment, SandboxExperi
 # its 2-block prompt with its group sibling: 1 in flight fits, 8 evict (part of the time).
 # `python -m launch.calibrate` sweeps more counts; two keep this test short.
 KV_BLOCKS = 16
-BASE = CacheExperiment(num_in_flight=1, turns=4, prompt_tokens=256, gen_tokens=8,
-                       obs_tokens=120, tool_s=0.2, group_size=2)
+BASE = CacheExperiment(num_in_flight=1, turns=4, prompt_tokens=256, gen_tokens=4,
+                       obs_tokens=124, tool_s=0.2, group_size=2)
 IN_FLIGHT = (1, 8)
 
 
