@@ -14,6 +14,9 @@ recorded per request. Overhead per request = the caller's wall time - the engine
            runs there too (K=0) or in K processes;
   direct:  the router is called with ids the caller already holds (what ToolAgentLoop
            pays besides the builder, which is measured under gateway).
+CPU ms/request: CPU time of the gateway side (the bench's process and every gateway
+process) while the clients ran, / requests: what spreads over K cores with K processes;
+client CPU ms/req: the same for the harness stand-ins (httpx), which share the machine.
 Memory per session: tracemalloc's growth over N sessions each holding the given number
 of turns on the gateway's core (no HTTP), / N; plus the resident memory of each gateway
 process (its fixed cost: tokenizer, template, vLLM's parsers).
@@ -75,10 +78,12 @@ def head(i: int) -> list[dict]:
             {"role": "user", "content": f"Question number {i}: what is {i} + {i}?"}]
 
 
-def client_main(targets: list[tuple[int, str, str]], turns: int) -> list[tuple[int, int, float]]:
+def client_main(targets: list[tuple[int, str, str]], turns: int) -> tuple[list[tuple[int, int, float]], float]:
     """One client process: every (sample, url, token) session runs `turns` turns at once;
-    (sample, turn, wall s) per request."""
-    return asyncio.run(_clients(targets, turns))
+    (sample, turn, wall s) per request, and the CPU seconds the clients spent."""
+    start = time.process_time()
+    walls = asyncio.run(_clients(targets, turns))
+    return walls, time.process_time() - start
 
 
 async def _clients(targets: list[tuple[int, str, str]], turns: int) -> list[tuple[int, int, float]]:
@@ -102,8 +107,11 @@ async def _clients(targets: list[tuple[int, str, str]], turns: int) -> list[tupl
 
 
 async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_procs: int,
-                      num_clients: int) -> tuple[list[float], list[float]]:
-    """Overheads (s) per request, and the resident MiB of each gateway process."""
+                      num_clients: int) -> tuple[list[float], list[float], float, float]:
+    """Overheads (s) per request, the resident MiB of each gateway process, and the CPU
+    seconds per request of the gateway side (the bench's process: router, gate, stand-in
+    engine, and the gateway when in-process; plus every gateway process), and the client
+    processes' CPU seconds per request."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
@@ -121,14 +129,18 @@ async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_
         sessions = [gateway.open_session("bench", "g", i) for i in range(n)]
         targets = [(i, server.session_url(s), s.token) for i, s in enumerate(sessions)]
     loop = asyncio.get_running_loop()
+    gateway_pids = [p.proc.pid for p in host._procs] if num_procs else []
     with ProcessPoolExecutor(num_clients, mp_context=multiprocessing.get_context("spawn")) as pool:
         await asyncio.gather(*(loop.run_in_executor(pool, client_main, [], 1) for _ in range(num_clients)))  # warm
         chunks = [targets[k::num_clients] for k in range(num_clients)]
+        cpu_start = time.process_time() + sum(_cpu_s(pid) for pid in gateway_pids)
         results = await asyncio.gather(*(loop.run_in_executor(pool, client_main, c, turns) for c in chunks))
-    overheads = [wall - engine.spent[f"g/{i}#{turn + 1}"] for walls in results for i, turn, wall in walls]
+        cpu_s = time.process_time() + sum(_cpu_s(pid) for pid in gateway_pids) - cpu_start
+    overheads = [wall - engine.spent[f"g/{i}#{turn + 1}"] for walls, _ in results for i, turn, wall in walls]
+    client_cpu_s = sum(c for _, c in results)
     rss: list[float] = []
     if num_procs:
-        rss = [_rss_mib(p.proc.pid) for p in host._procs]
+        rss = [_rss_mib(pid) for pid in gateway_pids]
         for h in handles:
             await host.close_session(h, TerminationReason.FINISHED)
         assert host.stats().num_prefix_breaks == 0, host.stats()
@@ -138,7 +150,16 @@ async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_
             gateway.close_session(s.id, TerminationReason.FINISHED)
         assert gateway.stats().num_prefix_breaks == 0, gateway.stats()
         await server.stop()
-    return overheads, rss
+    return overheads, rss, cpu_s / (n * turns), client_cpu_s / (n * turns)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_mib(pid: int) -> float:
@@ -210,20 +231,22 @@ def main() -> None:
     print(f"stand-in engine {args.engine_ms:g} ms per generation; {args.turns} turns per session; "
           f"{args.client_procs} client processes\n")
     print(f"{'sessions':>8} | {'gateway procs':>13} | {'gateway p50 ms':>14} | {'gateway p99 ms':>14} | "
-          f"{'direct p50 ms':>13} | {'direct p99 ms':>13} | {'wall s':>6} | {'KiB/session':>11} | "
-          f"{'MiB/gateway proc':>16}")
+          f"{'direct p50 ms':>13} | {'direct p99 ms':>13} | {'CPU ms/req':>10} | {'client CPU ms/req':>17} | "
+          f"{'wall s':>6} | "
+          f"{'KiB/session':>11} | {'MiB/gateway proc':>16}")
     for n in args.sessions:
         direct = asyncio.run(run_direct(tokenizer, chat, n, args.turns, engine_s))
         memory = asyncio.run(memory_per_session(tokenizer, chat, n, args.turns))
         for k in args.gateway_procs:
             start = time.perf_counter()
-            via_gateway, rss = asyncio.run(run_gateway(tokenizer, chat, n, args.turns, engine_s, k,
-                                                       args.client_procs))
+            via_gateway, rss, cpu, client_cpu = asyncio.run(run_gateway(tokenizer, chat, n, args.turns, engine_s, k,
+                                                            args.client_procs))
             wall = time.perf_counter() - start
             proc_mib = f"{np.mean(rss):.0f}" if rss else "(worker)"
             print(f"{n:>8} | {k:>13} | {ms(via_gateway, 50):>14.2f} | {ms(via_gateway, 99):>14.2f} | "
-                  f"{ms(direct, 50):>13.3f} | {ms(direct, 99):>13.3f} | {wall:>6.1f} | {memory / 1024:>11.1f} | "
-                  f"{proc_mib:>16}", flush=True)
+                  f"{ms(direct, 50):>13.3f} | {ms(direct, 99):>13.3f} | {cpu * 1000:>10.2f} | {client_cpu * 1000:>17.2f} | "
+                  f"{wall:>6.1f} | "
+                  f"{memory / 1024:>11.1f} | {proc_mib:>16}", flush=True)
 
 
 if __name__ == "__main__":
