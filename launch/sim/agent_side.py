@@ -96,7 +96,6 @@ class SimSandboxProvider:
         self.exec_model = exec_model
         self.obs_text = obs_text
         self.seed = seed
-        self.num_timed_out = 0
         self._ids = itertools.count()
         self._rngs: dict[str, random.Random] = {}
 
@@ -116,7 +115,6 @@ class SimSandboxProvider:
         seconds = min(sample.seconds, timeout_s)
         await asyncio.sleep(seconds)
         timed_out = sample.seconds >= timeout_s
-        self.num_timed_out += timed_out
         return ExecResult(exit_code=124 if timed_out else int(sample.failed), stdout=self.obs_text,
                           stderr="", timed_out=timed_out, oom_killed=False,
                           output_truncated=False, duration_s=seconds)
@@ -177,10 +175,6 @@ class AgentRollout:
     def trajectory_walls(self) -> list[float]:
         """Each finished trajectory's wall clock, its sandbox wait included."""
         return [e["end_s"] - e["start_s"] for e in self.trace]
-
-    @property
-    def num_tool_timeouts(self) -> int:
-        return self.worker.envs.provider.num_timed_out  # type: ignore[union-attr]
 
     async def close_gates(self) -> None:
         await self.worker.gate.close()

@@ -209,10 +209,6 @@ class SimRollout:
     def num_turns(self) -> int:
         return len(self.trace)
 
-    @property
-    def num_tool_timeouts(self) -> int:
-        return self._timed_out_tools
-
     async def close_gates(self) -> None:
         await self.gate.close()
 
