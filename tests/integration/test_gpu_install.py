@@ -1,6 +1,6 @@
 """The GPU install resolves, proved with pip's own resolver without downloading a CUDA wheel.
 
-`SLUICE_DEVICE=gpu scripts/setup.sh` runs `pip install -e ".[gpu,test]"`. Here pip resolves
+`SLUICE_DEVICE=gpu scripts/setup.sh` runs `pip install -e ".[gpu,test,swe]"`. Here pip resolves
 exactly that in dry-run mode against the package index (`--dry-run --ignore-installed
 --report`), with no pip configuration of this machine (its local torch+cpu wheel and
 constraints would change the answer). `--use-feature=fast-deps` makes pip read each
@@ -77,7 +77,7 @@ def _resolve(out: Path) -> dict[str, tuple[int, str, Path]]:
     if probe.returncode != 0:
         pytest.skip(f"the package index is unreachable: {probe.stderr.strip()[-300:]}")
     start = time.monotonic()
-    runs = {"gpu": (_dry_run(["-e", f"{ROOT}[gpu,test]"], out / "gpu.json"), out / "gpu.json"),
+    runs = {"gpu": (_dry_run(["-e", f"{ROOT}[gpu,test,swe]"], out / "gpu.json"), out / "gpu.json"),
             "old": (_dry_run(OLD_GPU_EXTRA, out / "old.json"), out / "old.json")}
     results = {}
     for name, (proc, report) in runs.items():
@@ -127,7 +127,7 @@ def _resolved(report: Path) -> dict[str, str]:
 
 def test_setup_sh_installs_the_extras_resolved_here():
     script = (ROOT / "scripts" / "setup.sh").read_text()
-    assert 'pip install -q -e ".[$device,test]"' in script
+    assert 'pip install -q -e ".[$device,test,swe]"' in script
     assert "--no-build-isolation" in script and "SLUICE_FLASH_ATTN" in script
 
 
