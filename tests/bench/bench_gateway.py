@@ -16,7 +16,8 @@ recorded per request. Overhead per request = the caller's wall time - the engine
            pays besides the builder, which is measured under gateway).
 CPU ms/request: CPU time of the gateway side (the bench's process and every gateway
 process) while the clients ran, / requests: what spreads over K cores with K processes;
-client CPU ms/req: the same for the harness stand-ins (httpx), which share the machine.
+worker CPU ms/req: of that, the bench's (the worker's) process alone; client CPU ms/req:
+the same for the harness stand-ins (httpx), which share the machine.
 Memory per session: tracemalloc's growth over N sessions each holding the given number
 of turns on the gateway's core (no HTTP), / N; plus the resident memory of each gateway
 process (its fixed cost: tokenizer, template, vLLM's parsers).
@@ -107,11 +108,11 @@ async def _clients(targets: list[tuple[int, str, str]], turns: int) -> list[tupl
 
 
 async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_procs: int,
-                      num_clients: int) -> tuple[list[float], list[float], float, float]:
+                      num_clients: int) -> tuple[list[float], list[float], float, float, float]:
     """Overheads (s) per request, the resident MiB of each gateway process, and the CPU
     seconds per request of the gateway side (the bench's process: router, gate, stand-in
-    engine, and the gateway when in-process; plus every gateway process), and the client
-    processes' CPU seconds per request."""
+    engine, and the gateway when in-process; plus every gateway process), the client
+    processes' CPU seconds per request, and the bench (worker) process's alone."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
@@ -133,9 +134,10 @@ async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_
     with ProcessPoolExecutor(num_clients, mp_context=multiprocessing.get_context("spawn")) as pool:
         await asyncio.gather(*(loop.run_in_executor(pool, client_main, [], 1) for _ in range(num_clients)))  # warm
         chunks = [targets[k::num_clients] for k in range(num_clients)]
-        cpu_start = time.process_time() + sum(_cpu_s(pid) for pid in gateway_pids)
+        worker_start, procs_start = time.process_time(), sum(_cpu_s(pid) for pid in gateway_pids)
         results = await asyncio.gather(*(loop.run_in_executor(pool, client_main, c, turns) for c in chunks))
-        cpu_s = time.process_time() + sum(_cpu_s(pid) for pid in gateway_pids) - cpu_start
+        worker_cpu_s = time.process_time() - worker_start
+        cpu_s = worker_cpu_s + sum(_cpu_s(pid) for pid in gateway_pids) - procs_start
     overheads = [wall - engine.spent[f"g/{i}#{turn + 1}"] for walls, _ in results for i, turn, wall in walls]
     client_cpu_s = sum(c for _, c in results)
     rss: list[float] = []
@@ -150,7 +152,7 @@ async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_
             gateway.close_session(s.id, TerminationReason.FINISHED)
         assert gateway.stats().num_prefix_breaks == 0, gateway.stats()
         await server.stop()
-    return overheads, rss, cpu_s / (n * turns), client_cpu_s / (n * turns)
+    return overheads, rss, cpu_s / (n * turns), client_cpu_s / (n * turns), worker_cpu_s / (n * turns)
 
 
 def _cpu_s(pid: int) -> float:
@@ -231,7 +233,8 @@ def main() -> None:
     print(f"stand-in engine {args.engine_ms:g} ms per generation; {args.turns} turns per session; "
           f"{args.client_procs} client processes\n")
     print(f"{'sessions':>8} | {'gateway procs':>13} | {'gateway p50 ms':>14} | {'gateway p99 ms':>14} | "
-          f"{'direct p50 ms':>13} | {'direct p99 ms':>13} | {'CPU ms/req':>10} | {'client CPU ms/req':>17} | "
+          f"{'direct p50 ms':>13} | {'direct p99 ms':>13} | {'CPU ms/req':>10} | {'worker CPU ms/req':>17} | "
+          f"{'client CPU ms/req':>17} | "
           f"{'wall s':>6} | "
           f"{'KiB/session':>11} | {'MiB/gateway proc':>16}")
     for n in args.sessions:
@@ -239,12 +242,13 @@ def main() -> None:
         memory = asyncio.run(memory_per_session(tokenizer, chat, n, args.turns))
         for k in args.gateway_procs:
             start = time.perf_counter()
-            via_gateway, rss, cpu, client_cpu = asyncio.run(run_gateway(tokenizer, chat, n, args.turns, engine_s, k,
+            via_gateway, rss, cpu, client_cpu, worker_cpu = asyncio.run(run_gateway(tokenizer, chat, n, args.turns, engine_s, k,
                                                             args.client_procs))
             wall = time.perf_counter() - start
             proc_mib = f"{np.mean(rss):.0f}" if rss else "(worker)"
             print(f"{n:>8} | {k:>13} | {ms(via_gateway, 50):>14.2f} | {ms(via_gateway, 99):>14.2f} | "
-                  f"{ms(direct, 50):>13.3f} | {ms(direct, 99):>13.3f} | {cpu * 1000:>10.2f} | {client_cpu * 1000:>17.2f} | "
+                  f"{ms(direct, 50):>13.3f} | {ms(direct, 99):>13.3f} | {cpu * 1000:>10.2f} | {worker_cpu * 1000:>17.2f} | "
+                  f"{client_cpu * 1000:>17.2f} | "
                   f"{wall:>6.1f} | "
                   f"{memory / 1024:>11.1f} | {proc_mib:>16}", flush=True)
 
