@@ -7,7 +7,7 @@ Event schema (trainer.metrics.EventSink writes it; launch.simulate --trace write
 
     {"kind": "turn", "step", "traj", "task", "turn", "engine", "version", "t0", "queue_s",
      "generate_s", "tool_s", "tool_calls", "tool_errors", "tokens", "end" (last turn only)}
-    {"kind": "push", "step", "version", "t0", "prepare_s", "gates_closed_s"}
+    {"kind": "push", "step", "version", "t0", "prepare_s", "gates_closed_s", "failed_engines"}
     {"kind": "step", "step", "t0", "t1", "trainer_wait_s", "turns_dropped"}
 
 `step` is the step number of metrics.jsonl (the version after that step's update), so a

@@ -245,14 +245,20 @@ class Controller:
         prepared = self.clock()
         await self.rollout.close_gates()
         try:
-            await self.trainer.push_weights(self.version + 1)
+            outcome = await self.trainer.push_weights(self.version + 1)
         finally:
             await self.rollout.open_gates()
         end = self.clock()
+        if outcome.failed_engines:
+            log.warning("engines %s failed during the push of version %d; the run goes on without them",
+                        ", ".join(outcome.failed_engines), self.version + 1)
         self._push_event = {"kind": "push", "version": self.version + 1, "t0": round(wall, 4),
                             "prepare_s": round(prepared - start, 4),
-                            "gates_closed_s": round(end - prepared, 4)}
-        return {"perf/weight_sync_s": end - start, "perf/weight_gates_closed_s": end - prepared}
+                            "gates_closed_s": round(end - prepared, 4),
+                            "failed_engines": list(outcome.failed_engines)}
+        return {"perf/weight_sync_s": end - start, "perf/weight_gates_closed_s": end - prepared,
+                "perf/weight_push_failed_engines": float(len(outcome.failed_engines)),
+                "perf/weight_push_attempts": float(outcome.attempts)}
 
     async def _poll_rollout_idle(self) -> None:
         """Sample whether engines have requests in flight (paused counts as idle)."""

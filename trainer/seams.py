@@ -25,6 +25,15 @@ class TrainOutcome:
     metrics: Mapping[str, float]
 
 
+@dataclass(frozen=True, slots=True)
+class PushOutcome:
+    """How a verified weight push went: the engines that failed during it (dropped from
+    routing; the others serve the version) and how many sends it took."""
+
+    failed_engines: tuple[str, ...] = ()
+    attempts: int = 1
+
+
 class RolloutSide(Protocol):
     """Agent-loop workers (they run and score groups) and the engines behind them."""
 
@@ -53,9 +62,10 @@ class TrainerSide(Protocol):
         """Get the current weights ready to send (gather, encode) while rollout goes on."""
         ...
 
-    async def push_weights(self, version: int) -> None:
-        """Make the engines serve `version` (the weights prepared for it), verified; raises
-        if any engine did not take them. Called with the turn gates closed."""
+    async def push_weights(self, version: int) -> PushOutcome:
+        """Make the engines serve `version` (the weights prepared for it), verified. An
+        engine that fails during the push is dropped and named in the outcome; raises if
+        none is left. Called with the turn gates closed."""
         ...
 
     def save_state(self, folder: Path) -> None:

@@ -20,7 +20,8 @@ from buffer.batch import TrainBatch
 from envs.types import Trajectory
 from rollout.router import Router
 from trainer.config import SluiceConfig
-from trainer.seams import TrainOutcome
+from trainer.seams import PushOutcome, TrainOutcome
+from trainer.weight_sync import WeightSyncError
 from trainer.weight_sync_nccl import BroadcastTransport
 
 
@@ -219,13 +220,16 @@ class RayTrainer:
         return TrainOutcome({**result.metrics.to_log(), "perf/train_tokens_per_s": result.tokens_per_s,
                              "loss/grad_norm": result.grad_norm})
 
-    async def push_weights(self, version: int) -> None:
+    async def push_weights(self, version: int) -> PushOutcome:
         if self.transport is None:
             handles = {n: e.handle for n, e in self.router.engines.items()}
             self.last_push = await self.group.ranks[0].send_push.remote(version, handles,
                                                                        self.verify)
-            return
-        self.last_push = await self.transport.push(self.router, version, verify=self.verify)
+            for name in self.last_push.failed_engines:  # rank 0 found it failed: stop routing to it
+                self.router.remove(name, WeightSyncError(f"{name} failed during the push of version {version}"))
+        else:
+            self.last_push = await self.transport.push(self.router, version, verify=self.verify)
+        return PushOutcome(tuple(self.last_push.failed_engines), self.last_push.attempts)
 
     def save_state(self, folder: str | Path) -> None:
         self.group.save_state(folder)

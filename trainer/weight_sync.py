@@ -148,11 +148,12 @@ async def send_prepared(router: Router, blob: bytes, expected: tuple[list[str], 
                         verify: bool = True) -> PushResult:
     """Send weights encoded beforehand (`encode_state`) to every engine as `version` and
     verify them against `expected` (`expected_checksum`): the push from train rank 0."""
-    start = time.monotonic()
-    await router.update_weights_all(version, blob=blob)
+    start, before = time.monotonic(), router.engine_names
+    await router.update_weights_all(version, blob=blob)  # an engine that fails is dropped
     if verify:
         await check_engines(router, expected, version)
-    result = PushResult(version, len(blob), time.monotonic() - start, 0.0, router.engine_names)
+    failed = tuple(n for n in before if n not in router.engine_names)
+    result = PushResult(version, len(blob), time.monotonic() - start, 0.0, router.engine_names, failed)
     log.info("pushed version %d (%.1f MB) to %d engines in %.3fs", version, len(blob) / 2**20,
              len(result.engines), result.seconds)
     return result

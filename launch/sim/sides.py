@@ -30,7 +30,7 @@ from rollout.engine import EngineStats, Sampling
 from rollout.gate import TurnGate
 from rollout.router import Router
 from rollout.worker import WorkerStats
-from trainer.seams import TrainOutcome
+from trainer.seams import PushOutcome, TrainOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,12 +258,13 @@ class SimTrainer:
     async def prepare_weights(self, version: int) -> None:
         return None  # gathering is inside the push time of the trainer model
 
-    async def push_weights(self, version: int) -> None:
+    async def push_weights(self, version: int) -> PushOutcome:
         loop = asyncio.get_running_loop()
         await asyncio.sleep(self.model.push_s())
         await asyncio.gather(*(e.update_weights(version) for e in self.engines.values()))
         start, end, tokens = self._train
         self.steps.append(StepRecord(version, start, end, loop.time(), tokens))
+        return PushOutcome()
 
     def save(self, folder: Path) -> None:
         raise NotImplementedError("the simulator keeps no trainer state to checkpoint")

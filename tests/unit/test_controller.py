@@ -24,7 +24,7 @@ from rollout.worker import WorkerStats
 from trainer.controller import Controller, ControllerState, RepeatedFailureError
 from trainer.metrics import MetricsLogger
 from trainer.recipe import build_config
-from trainer.seams import TrainOutcome
+from trainer.seams import PushOutcome, TrainOutcome
 
 TASKS = [Task(f"t{i}", (Message("user", f"q{i}"),), answer=str(i)) for i in range(6)]
 
@@ -110,6 +110,7 @@ class FakeTrainer:
         self.batches: list[TrainBatch] = []
         self.pushes: list[int] = []
         self.prepared = -1
+        self.push_failures: dict[int, tuple[str, ...]] = {}  # version -> engines lost in its push
 
     async def train(self, batch: TrainBatch) -> TrainOutcome:
         self.batches.append(batch)
@@ -127,6 +128,7 @@ class FakeTrainer:
         await asyncio.sleep(0.001)
         self.rollout.engine_version = version
         self.pushes.append(version)
+        return PushOutcome(self.push_failures.get(version, ()))
 
     def save_state(self, folder: Path) -> None: ...
 
@@ -288,6 +290,28 @@ async def test_pushes_land_only_at_turn_boundaries_with_many_turns_in_flight():
     for batch in trainer.batches:  # every token carries the version that produced it
         for t in batch.trajectories:
             assert all(u.version <= batch.version for u in t.turns)
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def write(self, step: int, metrics) -> None:
+        self.rows[step] = dict(metrics)
+
+    def close(self) -> None: ...
+
+
+async def test_an_engine_lost_in_a_push_is_counted_and_the_run_goes_on():
+    ctl, _, trainer = make(steps=3)
+    sink = RecordingSink()
+    ctl.logger = MetricsLogger([sink])
+    trainer.push_failures[2] = ("e1",)
+    summary = await ctl.run()
+    assert summary.steps == 3 and trainer.pushes == [1, 2, 3]
+    lost = {step: row["perf/weight_push_failed_engines"] for step, row in sink.rows.items()
+            if "perf/weight_push_failed_engines" in row}
+    assert lost == {1: 0.0, 2: 1.0, 3: 0.0}
 
 
 async def test_sync_mode_trains_each_batch_on_one_version():
