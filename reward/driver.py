@@ -23,6 +23,12 @@ write anything that uid can. The driver keeps its verdict out of that process's 
 The host trusts that line only together with the files whose hashes it names, and
 cross-checks the two accounts of the run (reward.crosscheck).
 
+The pytest that runs is the sandbox Python's own where it has a supported one, else the
+grader's bundled copy (reward.boot chooses, before any workspace file is importable, and
+says which in the stream's first record); the line names it (`pytest`), from that
+record only. This file and boot run on the sandbox's Python, 3.8 to 3.11: no syntax or
+standard-library API newer than 3.8 (annotations are never evaluated).
+
 Command mode (settings["command"], tasks graded by the repository's own runner and a
 swebench log parser): step 2 runs that command instead, its stdout and stderr one pipe
 that this process drains as the output comes (so nothing written can be edited or
@@ -106,6 +112,8 @@ def run_tests(settings: dict, tmp: str, report: str, log_path: str,
             "recorder": settings["recorder"], "recorder_module": settings["recorder_module"],
             "preload": settings["preload"], "shadow_allowed": settings["shadow_allowed"],
             "runner_names": settings["runner_names"],
+            "stdlib_names": settings.get("stdlib_names", []),
+            "use_image_pytest": settings.get("use_image_pytest", True),
             "pytest_args": [*settings["pytest_args"], f"--junitxml={report}"]}
     reader = PipeReader(read_end, settings["max_stream_bytes"])
     with open(log_path, "wb") as log:
@@ -193,6 +201,14 @@ def verify_stream(data: bytes, key: bytes, overflow: bool) -> tuple[list[dict], 
     if data and not data.endswith(b"\n"):
         problems.append("the record stream ends inside a line")
     return records, problems
+
+
+def runner_of(records: list) -> dict | None:
+    """Which pytest ran: the stream's first record, written before any workspace file was
+    importable (a later `runner` record, which the agent's code could forge, is ignored)."""
+    if not records or records[0].get("k") != "runner":
+        return None
+    return {"version": str(records[0].get("version")), "source": str(records[0].get("source"))}
 
 
 def kill_everything_else() -> None:
@@ -306,6 +322,7 @@ def main() -> int:
               "undumpable": undumpable, "seconds": round(time.monotonic() - start, 3),
               "changed_protected": changed[:MAX_LISTED],
               "new_config_files": new_configs[:MAX_LISTED],
+              "pytest": runner_of(records),
               "log_tail": log_tail.decode("utf-8", "replace")}
     sys.stdout.write(f"SLUICE-GRADE {settings['nonce']} {json.dumps(result)}\n")
     sys.stdout.flush()

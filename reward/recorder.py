@@ -4,7 +4,9 @@ over an inherited pipe, one authenticated record per line:
 
     <json> <mac>     json = {"s": seq, "k": kind, ...}; mac = HMAC-SHA256(key, json)[:32]
 
-kinds: `item` (each collected test, in run order, with its kind), `collect_error`,
+kinds: `runner` (first, from reward.boot before any workspace file is importable: which
+pytest runs, its version and whether it is the image's own or the grader's bundled one),
+`item` (each collected test, in run order, with its kind), `collect_error`,
 `begin`/`end` (around each test's protocol), `report` (each setup/call/teardown report),
 `call` (around the test function's own call: was it called, did it raise, is it the
 function defined in the test's file), `finish` (the exit status).
@@ -15,6 +17,11 @@ finds the pipe from writing records the driver accepts; the `call` record is obs
 beneath every hook, so a report forced to "passed" over a raising test disagrees with
 it. Code that runs in this process can still find the key in memory or call the
 recorder itself; see reward.crosscheck for what that leaves.
+
+It runs under whichever pytest grades (the image's own, 6.2 to 9, on Python 3.8 to 3.11,
+or the bundled one): old-style hook wrappers (`hookwrapper=True`, pluggy 0.12 onwards;
+new-style `wrapper=True` needs pluggy 1.2), the test's file from `path` or, before pytest
+7, `fspath`, and no syntax or standard-library API newer than Python 3.8.
 """
 
 from __future__ import annotations
@@ -42,6 +49,12 @@ def item_kind(item: pytest.Item) -> str:
     return "function" if isinstance(item, pytest.Function) else "other"
 
 
+def item_path(item: pytest.Item) -> object:
+    """The item's file: `path` (pytest 7 onwards) or `fspath` (before)."""
+    path = getattr(item, "path", None)
+    return path if path is not None else item.fspath
+
+
 def defined_in_file(function: Any, path: str) -> bool:
     """Whether `function` (through its decorators' __wrapped__) is code of file `path`."""
     try:
@@ -67,6 +80,11 @@ class Recorder:
         while data:
             data = data[os.write(self._fd, data):]
 
+    def runner(self, version: str, source: str) -> None:
+        """The first record: which pytest runs (reward.boot, before the workspace is
+        importable)."""
+        self._emit("runner", version=version, source=source)
+
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         for item in session.items:
@@ -77,16 +95,16 @@ class Recorder:
         if report.failed:
             self._emit("collect_error", id=report.nodeid)
 
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, object, object]:
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, Any, None]:
         self._emit("begin", id=item.nodeid)
         try:
-            return (yield)
+            yield
         finally:
             self._emit("end", id=item.nodeid)
 
-    @pytest.hookimpl(wrapper=True, trylast=True)
-    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_pyfunc_call(self, pyfuncitem: pytest.Function) -> Generator[None, Any, None]:
         """Innermost around the call: the test function is wrapped so its own call is
         seen, whatever the hooks above report."""
         original = pyfuncitem.obj
@@ -99,13 +117,13 @@ class Recorder:
         pyfuncitem.obj = observed
         raised = True
         try:
-            result = yield
-            raised = False
-            return result
+            # An old-style wrapper gets the outcome (its exception, if any) from the yield.
+            outcome = yield
+            raised = outcome.excinfo is not None
         finally:
             pyfuncitem.obj = original
             self._emit("call", id=pyfuncitem.nodeid, called=bool(called), raised=raised,
-                       own=defined_in_file(original, str(pyfuncitem.path)))
+                       own=defined_in_file(original, str(item_path(pyfuncitem))))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

@@ -29,6 +29,12 @@ that path in a fresh container of the task's image, on the image's Python. A tas
 by its repository's own runner (Task.log_parser) runs that command through the driver's
 command mode and swebench's parser instead of pytest (reward.swebench_log). Components
 `graded_by_<path>` and `graded_in_image` say which path graded it.
+
+Which pytest: the sandbox Python's own where it imports a supported one (pytest 6.2 to 9
+on Python 3.8 to 3.11: a task image's, with every protection above unchanged), else the
+grader's bundled copy (reward.runtime; pytest 9, Python >= 3.10). Component
+`graded_with_image_pytest` and the detail's "graded with pytest X (image|bundled)" say
+which; `use_image_pytest=False` forces the bundled one.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import logging
 import math
 import os
 import secrets
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -84,6 +91,8 @@ class DriverResult:
     stream_sha256: str | None = None  # of out/records.jsonl, the recorder's verified records
     stream_problems: tuple[str, ...] = ()  # lines of the stream the driver did not accept
     log_sha256: str | None = None  # of out/log.txt, the runner's output (command mode)
+    pytest_version: str | None = None  # the pytest that ran (None: command mode, no record)
+    pytest_source: str | None = None  # 'image' (the sandbox Python's own) or 'bundled'
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +122,15 @@ class HiddenTests:
 
     def __init__(self, *, partial_credit: bool = False, limits: SandboxLimits = GRADING_LIMITS,
                  python: str = "python3", setup_margin_s: float = 20.0,
-                 visible_tests_dir: str = "visible_tests") -> None:
+                 visible_tests_dir: str = "visible_tests", use_image_pytest: bool = True) -> None:
         self.partial_credit = partial_credit
+        # The sandbox Python's own pytest where it has a supported one, else the bundled.
+        self.use_image_pytest = use_image_pytest
         self.visible_tests_dir = visible_tests_dir  # as the sandbox tools' setting of that name
         self.limits = limits
-        self.python = python  # the sandbox's interpreter; must run pytest 9 (python >= 3.10)
+        # The sandbox's interpreter: Python 3.8 onwards with its own pytest 6.2 onwards,
+        # or Python 3.10 onwards for the bundled pytest 9.
+        self.python = python
         self.setup_margin_s = setup_margin_s  # time kept for copying, creating, releasing
 
     async def __call__(self, trajectory: Trajectory, task: Task,
@@ -167,7 +180,8 @@ class HiddenTests:
         try:
             locked = await asyncio.to_thread(lock_protected, sandbox, layout.protected)
             nonce = secrets.token_hex(8)
-            settings = (driver_settings(layout, nonce, run_s - 3.0, workdir)
+            settings = (driver_settings(layout, nonce, run_s - 3.0, workdir,
+                                        self.use_image_pytest)
                         if task.log_parser is None else
                         swebench_log.command_settings(task, layout, nonce, run_s - 3.0, workdir))
             result = await sandbox.exec([self.python, "-I", "-B", f"{workdir}/{DRIVER}"],
@@ -201,10 +215,12 @@ def with_image_source(task: Task) -> Task:
 
 
 def driver_settings(layout: GradingLayout, nonce: str, timeout_s: float,
-                    workdir: str = WORKSPACE_MOUNT) -> dict[str, Any]:
+                    workdir: str = WORKSPACE_MOUNT,
+                    use_image_pytest: bool = True) -> dict[str, Any]:
     """What the driver gets on stdin: the pytest command line (the grader's own config,
-    the folders it must not look above), the programs, and what to check afterwards.
-    `workdir` is where the grading sandbox shows the workspace."""
+    the folders it must not look above; every option in it exists from pytest 6.2 on),
+    the programs, and what to check afterwards. `workdir` is where the grading sandbox
+    shows the workspace."""
     config_dir = layout.source_config.rel_dir if layout.source_config else ""
     args = ["-c", f"{workdir}/{GRADER_CONFIG}", f"--rootdir={workdir}",
             f"--confcutdir={workdir}/{config_dir}".rstrip("/"), "-p", "no:cacheprovider",
@@ -218,7 +234,9 @@ def driver_settings(layout: GradingLayout, nonce: str, timeout_s: float,
             "recorder": f"{workdir}/{RECORDER}",
             "recorder_module": f"_grading_{secrets.token_hex(4)}",
             "preload": list(runtime_preload()), "shadow_allowed": allowed,
-            "runner_names": sorted(RUNNER_NAMES),
+            "runner_names": sorted(RUNNER_NAMES), "use_image_pytest": use_image_pytest,
+            # For a sandbox Python older than 3.10 (no sys.stdlib_module_names).
+            "stdlib_names": sorted(sys.stdlib_module_names),
             "pytest_args": [*args, *layout.test_args], "timeout_s": max(1.0, timeout_s),
             "out_dir": OUT_DIR, "max_report_bytes": MAX_REPORT_BYTES,
             "max_stream_bytes": MAX_STREAM_BYTES, "protected": dict(layout.protected),
@@ -241,6 +259,7 @@ def parse_driver_line(stdout: str, nonce: str) -> DriverResult | None:
         return None
     try:
         raw = json.loads(lines[0][len(prefix):])
+        runner = raw.get("pytest") or {}
         return DriverResult(exit_code=raw["exit_code"], timed_out=bool(raw["timed_out"]),
                             report_sha256=raw["report_sha256"],
                             changed_protected=tuple(raw["changed_protected"]),
@@ -248,7 +267,9 @@ def parse_driver_line(stdout: str, nonce: str) -> DriverResult | None:
                             log_tail=str(raw["log_tail"]),
                             stream_sha256=raw.get("stream_sha256"),
                             stream_problems=tuple(raw.get("stream_problems", ())),
-                            log_sha256=raw.get("log_sha256"))
+                            log_sha256=raw.get("log_sha256"),
+                            pytest_version=runner.get("version"),
+                            pytest_source=runner.get("source"))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -346,6 +367,8 @@ def score_run(task: Task, run: GradingRun, partial_credit: bool) -> RewardResult
             "reverted_changes": float(run.layout.num_reverted),
             # Which grading path graded it (counted in reward/graded_by_*).
             f"graded_by_{grading_path(task)}": 1.0, "graded_in_image": float(run.in_image)}
+    if run.log is None and run.driver is not None:
+        base["graded_with_image_pytest"] = float(run.driver.pytest_source == "image")
     failed = {"tests_passed_frac": 0.0, "all_passed": 0.0}
     problem = run.problem
     if not problem and run.driver is not None and run.driver.timed_out:
@@ -364,7 +387,18 @@ def score_run(task: Task, run: GradingRun, partial_credit: bool) -> RewardResult
         return RewardResult(0.0, {**base, "grading_error": 1.0, **failed},
                             f"grading error: the test run did not complete (pytest exit code "
                             f"{run.driver.exit_code})\n{run.driver.log_tail[-1500:]}")
-    return _score_tests(task, results, base, partial_credit)
+    scored = _score_tests(task, results, base, partial_credit)
+    if run.log is None:
+        scored = dataclasses.replace(scored, detail=f"{scored.detail}; graded with "
+                                     f"{pytest_label(run.driver)}")
+    return scored
+
+
+def pytest_label(driver: DriverResult | None) -> str:
+    """'pytest 7.4.4 (image)', 'pytest 9.0.2 (bundled)', or '-' where no pytest ran."""
+    if driver is None or driver.pytest_version is None:
+        return "-"
+    return f"pytest {driver.pytest_version} ({driver.pytest_source})"
 
 
 def _score_tests(task: Task, results: list[tuple[str, Outcome]], base: dict[str, float],

@@ -21,7 +21,9 @@ nothing above it (so the issue's `python -m envs.tasks.validate` is spelled
 (--sandbox-backend auto picks the container backend for them, local for the rest). The
 grader column says which path graded a row: `pytest-driver` (pytest node ids, the
 trusted driver) or `swebench-log` (the repository's own runner, read by the swebench
-parser the row names), with `@image` when it ran in the task's image.
+parser the row names), with `@image` when it ran in the task's image; the pytest column
+says which pytest ran on the pytest path (`7.4.4 (image)`: the image's own; `9.0.2
+(bundled)`: the grader's copy, where the image has none).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from envs.tasks.swe import is_swe_row, swe_task_from_row
 from envs.types import Task
 from reward.base import RewardContext, SandboxFactory
 from reward.junit import Outcome
-from reward.tests import HiddenTests, grading_path, run_results, score_run, with_image_source
+from reward.tests import (HiddenTests, grading_path, pytest_label, run_results, score_run,
+                          with_image_source)
 from reward.workspace import WorkspaceChanges
 
 GRADER = "pytest-driver"  # until a run says which path graded the row
@@ -66,6 +69,7 @@ class RowVerdict:
     num_f2p: int = 0
     num_p2p: int = 0
     grader: str = GRADER
+    pytest: str = "-"  # which pytest graded it: "7.4.4 (image)", "9.0.2 (bundled)"
     seconds: float = 0.0
     grade_s: list[float] = field(default_factory=list)  # each grading run's wall time
 
@@ -91,17 +95,18 @@ def gold_changes(task: Task, patch: str) -> WorkspaceChanges:
 
 
 async def _outcomes(task: Task, changes: WorkspaceChanges, ctx: RewardContext,
-                    ) -> tuple[dict[str, Outcome] | None, str, float, str]:
+                    ) -> tuple[dict[str, Outcome] | None, str, float, str, str]:
     """Expected test -> outcome of one grading run, or None and why it did not complete;
-    its wall time and the grading path that graded it."""
+    its wall time, the grading path that graded it and which pytest ran."""
     start = time.monotonic()
     run = await HiddenTests().grade(task, changes, ctx)
     scored = score_run(task, run, partial_credit=True)
     elapsed = time.monotonic() - start
     grader = grading_path(task).replace("_", "-") + ("@image" if run.in_image else "")
+    runner = pytest_label(run.driver).removeprefix("pytest ")
     if scored.components["grading_error"] or scored.components["tamper_detected"]:
-        return None, scored.detail.splitlines()[0], elapsed, grader
-    return dict(run_results(task, run)[0]), "", elapsed, grader
+        return None, scored.detail.splitlines()[0], elapsed, grader, runner
+    return dict(run_results(task, run)[0]), "", elapsed, grader, runner
 
 
 async def validate_row(task: Task, patch: str, repeat: int, ctx: RewardContext) -> RowVerdict:
@@ -118,7 +123,8 @@ async def validate_row(task: Task, patch: str, repeat: int, ctx: RewardContext) 
     problems: list[str] = []
     for name, changes in (("gold", gold), ("empty", WorkspaceChanges())):
         for _ in range(repeat):
-            outcomes, problem, elapsed, verdict.grader = await _outcomes(task, changes, ctx)
+            outcomes, problem, elapsed, verdict.grader, verdict.pytest = await _outcomes(
+                task, changes, ctx)
             verdict.grade_s.append(round(elapsed, 2))
             if outcomes is None:
                 problems.append(f"{name} run: {problem}")
@@ -241,11 +247,11 @@ def _sandbox_factory(task: Task, backend: str) -> SandboxFactory:
 
 def format_table(verdicts: list[RowVerdict]) -> str:
     head = ("instance_id", "valid", "F2P", "P2P", "gold ok", "empty ok", "flaky", "grader",
-            "seconds")
+            "pytest", "seconds")
     lines = [head] + [(v.instance_id, "yes" if v.valid else "NO", str(v.num_f2p),
                        str(v.num_p2p), f"{v.gold_passed}/{v.repeat}",
                        f"{v.empty_failed}/{v.repeat}", str(len(v.flaky_tests)), v.grader,
-                       f"{v.seconds:.1f}") for v in verdicts]
+                       v.pytest, f"{v.seconds:.1f}") for v in verdicts]
     widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
     text = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in lines]
     num_valid = sum(v.valid for v in verdicts)

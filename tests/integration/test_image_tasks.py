@@ -3,7 +3,8 @@ a task image built locally (envs.tasks.images: the host-built base, the reposito
 /testbed), an image-only SWE-smith row for it, the agent's sandbox seeded from the
 image and working at /testbed, and grading in a FRESH container of the image through
 the real reward path: the gold patch scores 1, the empty patch 0, and the result says
-which path graded it. Then the swebench log-parser path (a django-style runner and
+which path graded it; an image with its own pytest (7.4.4, another major than the
+bundled one) is graded by that pytest, the usual attacks still scoring 0. Then the swebench log-parser path (a django-style runner and
 `parse_log_django`): its rows validate, and a forged status line is caught. Last, prewarm
 loads the image back from its `podman save` archive."""
 
@@ -20,21 +21,26 @@ import pytest
 from envs.tasks import load_tasks
 from git_repo import CALC, calc_repo, run_git
 from grading_tasks import grade, sandbox_factory
+from hack_payloads import FORCEPASS, PATCH_RUNNER
 from reward.validate import gold_changes, validate_file
 from reward.workspace import WorkspaceChanges
 
 
 
-@pytest.fixture(scope="module")
-def image_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
-    """An image-only SWE-smith row (repository only in its image, at /testbed); the task
-    image is removed afterwards (its base and project layers stay cached)."""
+# The project layer of the second image: a pytest of another major version than the
+# grader's bundled one (and a pluggy without new-style hook wrappers), pinned whole.
+PYTEST7 = ("pytest==7.4.4", "pluggy==1.0.0", "iniconfig==2.0.0", "packaging==23.2")
+
+
+def calc_image_row(tmp: Path, repo_name: str, project: str,
+                   requirements: tuple[str, ...]) -> tuple[Path, dict, str]:
+    """An image-only SWE-smith row of the calc repository (only in its image, at
+    /testbed) on the project layer `requirements`; the rows file, the row, the engine."""
     sandbox_factory("container")  # skips without root, bubblewrap or a working podman
     from envs.sandbox.engine import detect_engine
     from envs.tasks.images import build_task_image, ensure_project_image, swe_smith_image_name
     from envs.tasks.swe import export_base_snapshot
 
-    tmp = tmp_path_factory.mktemp("image_task")
     repo = tmp / "src"
     base = calc_repo(repo)
     (repo / "calc.py").write_text(CALC.replace("a - b", "a + b"))
@@ -42,19 +48,39 @@ def image_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     run_git(repo, "checkout", "calc.py")
     engine = detect_engine()
     testbed = export_base_snapshot(str(repo), base, str(tmp / "testbeds"), "calc")
-    image = build_task_image(engine, ensure_project_image(engine, "test-calc", ()),
-                             swe_smith_image_name("demo/calc", base), testbed)
-    row = {"instance_id": "demo__calc.1", "repo": "demo/calc", "base_commit": base,
-           "patch": gold, "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+    image = build_task_image(engine, ensure_project_image(engine, project, requirements),
+                             swe_smith_image_name(repo_name, base), testbed)
+    row = {"instance_id": f"{repo_name.replace('/', '__')}.1", "repo": repo_name,
+           "base_commit": base, "patch": gold, "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
            "PASS_TO_PASS": ["tests/test_calc.py::test_mul"], "image_name": image,
            "problem_statement": "add() subtracts."}  # no workdir: /testbed by default
     path = tmp / "tasks.jsonl"
     path.write_text(json.dumps(row) + "\n")
     shutil.rmtree(repo)  # the repository now lives only in the image
+    return path, row, engine
+
+
+@pytest.fixture(scope="module")
+def image_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
+    """An image-only row whose image has no pytest (graded by the bundled one); the task
+    image is removed afterwards (its base and project layers stay cached)."""
+    path, row, engine = calc_image_row(tmp_path_factory.mktemp("image_task"), "demo/calc",
+                                       "test-calc", ())
     yield path, row
     from envs.sandbox.engine import run_engine
 
-    run_engine(engine, "rmi", "--force", image)
+    run_engine(engine, "rmi", "--force", row["image_name"])
+
+
+@pytest.fixture(scope="module")
+def pytest7_row(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict]]:
+    """The same repository in an image whose project layer has its own pytest 7.4.4."""
+    path, row, engine = calc_image_row(tmp_path_factory.mktemp("pytest7_task"), "demo/calc7",
+                                       "test-calc-pytest7", PYTEST7)
+    yield path, row
+    from envs.sandbox.engine import run_engine
+
+    run_engine(engine, "rmi", "--force", row["image_name"])
 
 
 def test_image_only_row_works_and_grades_at_testbed(image_row: tuple[Path, dict]) -> None:
@@ -95,6 +121,36 @@ def test_image_only_row_works_and_grades_at_testbed(image_row: tuple[Path, dict]
     for result in (fixed, empty):
         assert result.components["graded_in_image"] == 1.0
         assert result.components["graded_by_pytest_driver"] == 1.0
+        # This image has no pytest of its own: the bundled one graded.
+        assert result.components["graded_with_image_pytest"] == 0.0
+        assert f"graded with pytest {pytest.__version__} (bundled)" in result.detail
+
+
+def test_image_pytest_grades_when_the_image_has_one(pytest7_row: tuple[Path, dict]) -> None:
+    """The image's own pytest 7.4.4 (not the bundled one) grades, through the real reward
+    path: gold 1, empty 0; an agent's conftest.py forcing passes is dropped, and the
+    runner patched from the agent's module (sparing the old sentinels) is caught."""
+    path, row = pytest7_row
+    assert not pytest.__version__.startswith("7.")  # the bundled pytest is another major
+    [task] = load_tasks(str(path))
+    gold = gold_changes(task, row["patch"])
+    fixed = asyncio.run(grade(task, gold, "container"))
+    empty = asyncio.run(grade(task, WorkspaceChanges(), "container"))
+    assert fixed.reward == 1.0, fixed.detail
+    assert empty.reward == 0.0 and "test_add" in empty.detail, empty.detail
+    for result in (fixed, empty):
+        assert result.components["graded_with_image_pytest"] == 1.0, result.detail
+        assert result.components["graded_in_image"] == 1.0
+        assert "graded with pytest 7.4.4 (image)" in result.detail
+    forcepass = FORCEPASS.replace("'.sluice_grading'", "'x'")  # sentinels forced too
+    conftest = asyncio.run(grade(task, WorkspaceChanges(written={
+        "conftest.py": forcepass.encode()}), "container"))
+    assert conftest.reward == 0.0 and conftest.components["reverted_changes"] >= 1.0, \
+        conftest.detail
+    patched = asyncio.run(grade(task, WorkspaceChanges(written={
+        "calc.py": (PATCH_RUNNER + CALC).encode()}), "container"))
+    assert patched.reward == 0.0 and patched.components["tamper_detected"] == 1.0, \
+        patched.detail
 
 
 def test_validate_grades_image_rows_in_their_image(image_row: tuple[Path, dict],
@@ -103,6 +159,14 @@ def test_validate_grades_image_rows_in_their_image(image_row: tuple[Path, dict],
     verdicts = asyncio.run(validate_file(str(path), out=str(tmp_path / "valid.jsonl"),
                                          state=str(tmp_path / "state.jsonl")))
     assert [(v.valid, v.grader) for v in verdicts] == [(True, "pytest-driver@image")], verdicts
+    assert verdicts[0].pytest == f"{pytest.__version__} (bundled)"
+
+
+def test_validate_names_the_image_pytest(pytest7_row: tuple[Path, dict], tmp_path: Path) -> None:
+    path, _ = pytest7_row
+    [verdict] = asyncio.run(validate_file(str(path), state=str(tmp_path / "state.jsonl")))
+    assert (verdict.valid, verdict.grader, verdict.pytest) == (
+        True, "pytest-driver@image", "7.4.4 (image)"), verdict
 
 
 @pytest.fixture(scope="module")

@@ -231,7 +231,7 @@ def test_all_passing_scores_one() -> None:
                                  "reverted_changes": 2.0, "tests_passed_frac": 1.0,
                                  "all_passed": 1.0, "num_tests": 3.0, "fail_to_pass_frac": 1.0,
                                  "pass_to_pass_frac": 1.0, "graded_by_pytest_driver": 1.0,
-                                 "graded_in_image": 0.0}
+                                 "graded_in_image": 0.0, "graded_with_image_pytest": 0.0}
 
 
 def test_missing_and_failing_tests() -> None:
