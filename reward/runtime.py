@@ -2,9 +2,10 @@
 pytest and its dependencies, with precompiled bytecode, importable by the sandbox's
 python through zipimport.
 
-Sandboxes see only the host's read-only system runtime, which need not have pytest;
-shipping a fixed copy also means every grading run uses the same pytest, whatever the
-agent installed. Built once per pytest version into the cache folder (the bytecode saves
+It is the fallback: where the sandbox's Python imports a supported pytest of its own (a
+task image's, 6.2 onwards), that one grades (reward.boot). Sandboxes of the local
+backend see only the host's read-only system runtime, which need not have pytest; the
+shipped copy is the same in every grading run there, whatever the agent installed. Built once per pytest version into the cache folder (the bytecode saves
 0.3 s of pytest start-up; a python of another minor version ignores it and compiles the
 sources).
 
