@@ -299,9 +299,11 @@ class ToolAgentLoop:
                                       max_calls=ctx.settings.max_tool_calls_per_turn,
                                       prompt_ids=rec.context_ids[:rec.sent_prefix_lengths[-1]])
             rec.record_tool_parse(parsed.status)
-            # A plain answer stays as generated (parsers strip its whitespace, the template
-            # would not), so the debug re-render compares like with like.
-            plain = not parsed.calls and not parsed.errors and parsed.reasoning is None
+            # A turn with no valid call stays as generated: parsers strip a plain answer's
+            # whitespace and leave a malformed call out of `content`, where a server hands
+            # the text back whole and the template renders it so. The debug re-render then
+            # compares like with like.
+            plain = not parsed.calls and parsed.reasoning is None
             content = ctx.text_of(out) if plain else parsed.content
             transcript.append(Message("assistant", content, parsed.calls, reasoning=parsed.reasoning))
             if not parsed.calls and not parsed.errors:

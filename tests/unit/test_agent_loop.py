@@ -282,6 +282,19 @@ async def test_continuity_check_mode_finds_no_divergence_on_clean_turns(tokenize
     assert worker.stats().num_continuity_divergences == 0
 
 
+@pytest.mark.parametrize("reply", ["55\n<tool_call>\n", "ok <tool_call>\n{not json}\n</tool_call>\n"])
+async def test_continuity_check_keeps_malformed_calls_as_generated(tokenizer, reply):
+    """A turn whose only call is malformed (unclosed block, bad JSON) is text to the
+    template, as a server returns it: the debug re-render must match the sampled ids."""
+    import dataclasses
+
+    worker, _ = make_worker(tokenizer, [reply, "The answer is 5."])
+    worker.settings = dataclasses.replace(worker.settings, continuity_check=True)
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.turns[0].tool_parse_status != "ok" and len(t.turns) == 2
+    assert worker.stats().num_continuity_divergences == 0
+
+
 async def test_continuity_check_ignores_generations_that_do_not_retokenize(tokenizer):
     """A model may sample a non-canonical split of its text; the trajectory keeps those ids
     (so a re-render differs there) and the check must not blame the template for it."""
