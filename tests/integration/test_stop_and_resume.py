@@ -112,7 +112,7 @@ def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_p
     run_dir = tmp_path / "stoppable"
     mounts_before = sandbox_mounts()
     proc = start(tmp_path, 200)
-    wait_for_step(proc, run_dir, 2)
+    wait_for_step(proc, run_dir, 1)
     pids, mounts = snapshot(proc, mounts_before)
     assert len(pids) > 5 and mounts  # Ray's processes, the engine, sandboxes with mounts
     os.kill(proc.pid, signal.SIGINT)  # one Ctrl-C is enough (SIGTERM takes the same path)
@@ -126,13 +126,13 @@ def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_p
     assert_nothing_left(pids, mounts)
 
     proc = start(tmp_path, 200, "checkpoint.resume_from=latest")  # resume 1, then SIGKILL
-    wait_for_step(proc, run_dir, max(r["step"] for r in first) + 2)
+    wait_for_step(proc, run_dir, max(r["step"] for r in first) + 1)
     pids, mounts = snapshot(proc, mounts_before)
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its Ray processes and mounts stay
     proc.wait(timeout=30)
     killed_at = max(r["step"] for r in metric_rows(run_dir))
 
-    target = killed_at + 2  # resume 2 runs to the end; the start reaps what SIGKILL left
+    target = killed_at + 1  # resume 2 runs to the end; the start reaps what SIGKILL left
     proc = start(tmp_path, target, "checkpoint.resume_from=latest")
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
