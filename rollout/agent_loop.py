@@ -22,7 +22,7 @@ from envs.tools.base import Tool
 from envs.trajectory_env import TrajectoryEnv
 from rollout.chat import ContinuityBuilder, check_continuity
 from rollout.engine import Sampling, TokenOutput
-from rollout.gate import TurnGate
+from rollout.gate import LocalTurns, TurnGate
 from rollout.recorder import BudgetExhausted, Budgets, TrajectoryRecorder
 from rollout.router import Router
 from rollout.parsers import parse_generation
@@ -131,15 +131,11 @@ class AgentContext:
                             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             stop_token_ids=self.stop_token_ids)
         started_at = time.time()
-        async with self.gate.turn() as queue_s:
-            start = time.monotonic()
-            self._num_requests += 1
-            routed = await self.router.generate(self.session_id,
-                                                f"{self.session_id}#{self._num_requests}",
-                                                rec.context_ids, sampling)
-        rec.add_generation(routed.output, queue_s, time.monotonic() - start, routed.engine,
-                           started_at)
-        return routed.output
+        self._num_requests += 1
+        turn = await LocalTurns(self.router, self.gate).generate_turn(
+            self.session_id, f"{self.session_id}#{self._num_requests}", rec.context_ids, sampling)
+        rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
+        return turn.output
 
     def text_of(self, out: TokenOutput) -> str:
         """The generated text, without the stop token the engine stopped on."""

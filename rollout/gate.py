@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.engine import Sampling, TokenOutput
+    from rollout.router import Router
 
 
 class TurnGate:
@@ -59,3 +65,26 @@ class TurnGate:
             self.closed_s += time.monotonic() - self._closed_since
             self._closed_since = None
         self._open.set()
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedTurn:
+    output: TokenOutput
+    engine: str  # the engine that generated it
+    queue_s: float  # waiting at the turn gate
+    generate_s: float
+
+
+class LocalTurns:
+    """One model turn through this process's turn gate and sticky router: what an agent
+    loop's `ctx.generate` and an in-process gateway both do."""
+
+    def __init__(self, router: Router, gate: TurnGate) -> None:
+        self.router, self.gate = router, gate
+
+    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
+                            sampling: Sampling) -> GeneratedTurn:
+        async with self.gate.turn() as queue_s:
+            start = time.monotonic()
+            routed = await self.router.generate(router_session, request_id, prompt_ids, sampling)
+        return GeneratedTurn(routed.output, routed.engine, queue_s, time.monotonic() - start)

@@ -41,8 +41,8 @@ from typing import Any, Protocol
 
 from envs.types import Message, TerminationReason, Trajectory
 from rollout.chat import ContinuityBuilder, encode
-from rollout.engine import Sampling, TokenOutput
-from rollout.gate import TurnGate
+from rollout.engine import Sampling
+from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
 from rollout.gateway_protocol import (ProtocolError, TurnReply, TurnRequest, anthropic_response,
                                       anthropic_stream, extension_suffix, openai_response, openai_stream,
                                       parse_anthropic_request, parse_openai_request)
@@ -116,34 +116,12 @@ class GatewaySession:
     num_requests: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class GeneratedTurn:
-    output: TokenOutput
-    engine: str  # the engine that generated it
-    queue_s: float  # waiting at the turn gate
-    generate_s: float
-
-
 class TurnService(Protocol):
     """Where a gateway's generations go: the turn gate and the sticky router, in this
     process (LocalTurns) or in the worker's, for a gateway process (rollout.gateway_procs)."""
 
     async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
                             sampling: Sampling) -> GeneratedTurn: ...
-
-
-class LocalTurns:
-    """The turn gate and the router of this process."""
-
-    def __init__(self, router: Router, gate: TurnGate) -> None:
-        self.router, self.gate = router, gate
-
-    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
-                            sampling: Sampling) -> GeneratedTurn:
-        async with self.gate.turn() as queue_s:
-            start = time.monotonic()
-            routed = await self.router.generate(router_session, request_id, prompt_ids, sampling)
-        return GeneratedTurn(routed.output, routed.engine, queue_s, time.monotonic() - start)
 
 
 class Gateway:
