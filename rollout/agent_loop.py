@@ -148,22 +148,25 @@ class AgentContext:
         """Debug mode: compare the trajectory's ids with a full re-render of `messages`.
         A divergence is logged and kept on the context (the worker counts it).
 
-        A divergence inside a generation whose text does not survive decode -> encode
-        (a non-canonical split, or bytes that are not valid UTF-8) is expected, not a
-        template bug: that is why trajectories keep the sampled ids instead of
-        re-tokenizing. It is logged at debug level and not counted; the check cannot see
-        past it."""
+        A divergence inside a generation the template cannot reproduce is expected, not a
+        template bug: text that does not survive decode -> encode (a non-canonical split,
+        bytes that are not valid UTF-8), or a tool call the template re-renders from its
+        parsed form (the model's own spacing, key order or repeated keys). That is why
+        trajectories keep the sampled ids instead of re-tokenizing. It is logged at debug
+        level and not counted; the check cannot see past it."""
         if self.recorder is None:
             return
         ids = self.recorder.context_ids.tolist()
         divergence = check_continuity(self.tokenizer, messages, self.tool_schemas or None, ids)
         if divergence is None:
             return
-        generation = self.recorder.generation_at(divergence.position)
-        if generation is not None and not self._round_trips(generation.tolist()):
-            log.debug("trajectory %s: a generation does not re-tokenize to its ids (%s)",
-                      self.session_id, divergence)
-            return
+        found = self.recorder.generation_at(divergence.position)
+        if found is not None:
+            ids, turn = found
+            if turn.tool_parse_status == "ok" or not self._round_trips(ids.tolist()):
+                log.debug("trajectory %s: the template does not reproduce a generation (%s)",
+                          self.session_id, divergence)
+                return
         self.continuity_divergence = str(divergence)
         log.warning("trajectory %s: %s", self.session_id, divergence)
 

@@ -63,14 +63,15 @@ class TrajectoryRecorder:
         """Everything so far: what the next generate call sends."""
         return self._context
 
-    def generation_at(self, position: int) -> np.ndarray | None:
-        """The ids of the generation (one turn's sampled tokens) that covers context
-        position `position`; None where the position is prompt or observation."""
-        start = len(self.prompt_ids)
+    def generation_at(self, position: int) -> tuple[np.ndarray, Turn] | None:
+        """The generation (one turn's sampled ids) that covers context position `position`,
+        with its turn; None where the position is prompt or observation."""
+        start, k = len(self.prompt_ids), 0
         for ids, mask in zip(self._ids, self._mask):
             if start <= position < start + len(ids):
-                return ids if mask[0] == 1 else None
+                return (ids, self.turns[k]) if mask[0] == 1 else None
             start += len(ids)
+            k += int(mask[0] == 1)
         return None
 
     def room_for_generation(self) -> int:

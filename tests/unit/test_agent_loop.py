@@ -295,6 +295,20 @@ async def test_continuity_check_keeps_malformed_calls_as_generated(tokenizer, re
     assert worker.stats().num_continuity_divergences == 0
 
 
+async def test_continuity_check_accepts_a_valid_call_in_the_models_own_spelling(tokenizer):
+    """Spacing and repeated keys the parser accepts but the template re-renders canonically:
+    the sampled ids are what is trained, so this is no template bug."""
+    import dataclasses
+
+    odd = ('<tool_call>\n{"name": "calculator",   "arguments": {"expression": "1", '
+           '"expression": "2+3"}}\n</tool_call>')
+    worker, _ = make_worker(tokenizer, [odd, "The answer is 5."])
+    worker.settings = dataclasses.replace(worker.settings, continuity_check=True)
+    t = await worker.run_trajectory(TASK, "g", 0)
+    assert t.turns[0].tool_parse_status == "ok" and len(t.turns) == 2
+    assert worker.stats().num_continuity_divergences == 0
+
+
 async def test_continuity_check_ignores_generations_that_do_not_retokenize(tokenizer):
     """A model may sample a non-canonical split of its text; the trajectory keeps those ids
     (so a re-render differs there) and the check must not blame the template for it."""
