@@ -27,7 +27,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "reward fn": {
         "exact_match": "reward.rules:ExactMatch",  # the final answer equals Task.answer
         "numeric_match": "reward.rules:NumericMatch",  # within tolerance of Task.answer
-        "hidden_tests": "reward.tests:HiddenTests",  # hidden / fail_to_pass / pass_to_pass pass
+        "hidden_tests": "reward.grading.hidden_tests:HiddenTests",  # hidden / fail_to_pass / pass_to_pass pass
         "judge": "reward.judge:GenerativeJudge",  # the judge model's SCORE for the answer
     },
     "tool": {

@@ -187,7 +187,7 @@ class WorkspaceChanges:
     (path -> content) and deleted. Built where the sandbox lives (envs.sandbox.changes),
     kept by the worker that ran the trajectory (never on the Trajectory, never sent to the
     driver) for the grading it does right there, applied to a fresh copy of the source
-    by grading (reward.grading). A workspace that could not be captured, or whose
+    by grading (reward.grading.prepare). A workspace that could not be captured, or whose
     changes are over the size cap, has a `problem` and no files; grading scores it 0."""
 
     written: Mapping[str, bytes] = field(default_factory=dict)
@@ -278,7 +278,7 @@ class Trajectory:
     reward_components: Mapping[str, float] = field(default_factory=dict)
     timings: Timings = field(default_factory=Timings)
     # Position of this trajectory within its session. A black-box harness that rewrites
-    # its history (rollout.gateway) yields several exact segments for one sample: they
+    # its history (rollout.gateway.server) yields several exact segments for one sample: they
     # share `index`, the session's reward and its group baseline. 0 for ordinary loops.
     segment: int = 0
 

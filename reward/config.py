@@ -8,7 +8,7 @@ from typing import Literal
 
 from envs.knobs import knob, section
 
-# What reward-hacking findings (reward.hacking) do: "report" records them as hack_*
+# What reward-hacking findings (reward.grading.hacking) do: "report" records them as hack_*
 # components and metrics only; "zero" also sets the trajectory's reward to 0.
 HackPolicy = Literal["report", "zero"]
 HACK_POLICIES: tuple[HackPolicy, ...] = ("report", "zero")

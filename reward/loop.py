@@ -19,7 +19,7 @@ from collections.abc import Callable
 from envs.types import Task, TerminationReason, Trajectory, WorkspaceChanges
 from reward.base import (RewardContext, RewardFn, RewardResult, SandboxFactory, last_model_text,
                          load_reward_fn, model_text, reward_fn_name)
-from reward.hacking import with_findings
+from reward.grading.hacking import with_findings
 from reward.judge import JudgeClient
 
 log = logging.getLogger(__name__)

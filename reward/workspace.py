@@ -4,7 +4,7 @@ wrote and deleted relative to the task's source folder.
 The value type lives in `envs.types` (trajectories carry it from the worker to the
 reward loop) and its builders in `envs.sandbox.changes` (they run in the sandbox pool,
 next to the workspace); both are re-exported here for reward functions and tests.
-Grading (reward.grading) applies the changes to a fresh copy of the task source and
+Grading (reward.grading.prepare) applies the changes to a fresh copy of the task source and
 never runs anything of the agent's sandbox.
 """
 

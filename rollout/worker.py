@@ -40,8 +40,8 @@ from rollout.agent_loop import AgentContext, LoopSettings, ToolActivity, load_ag
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
 from rollout.recorder import BudgetExhausted
-from rollout.gateway import GatewayStats, sum_gateway_stats
-from rollout.gateway_loop import GatewayAgentLoop
+from rollout.gateway.server import GatewayStats, sum_gateway_stats
+from rollout.gateway.loop import GatewayAgentLoop
 from rollout.router import Router
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from envs.types import Group, Trajectory
-from rollout.gateway import sum_gateway_stats
+from rollout.gateway.server import sum_gateway_stats
 from rollout.tool_parser import tool_parse_counts
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ MAX_CHANGED_BYTES = 64 << 20  # default cap (envs.max_workspace_changes_mb); mor
 MAX_CHANGED_FILES = 10_000
 IGNORED_TOP_DIRS = (".git",)  # version-control state is not part of the answer
 # Bytecode caches that running code leaves anywhere: grading never applies them
-# (reward.grading), so they are not shipped or counted as changes of the agent's.
+# (reward.grading.prepare), so they are not shipped or counted as changes of the agent's.
 IGNORED_DIRS = ("__pycache__",)
 _CHUNK_BYTES = 1 << 20
 

@@ -6,7 +6,7 @@
      "tools": ["bash", "run_tests"],       "answer": "42",
      "source_dir": "repo/",  "image": null, "visible_tests": "tests/", "hidden_tests": "hidden/",
      "test_patch": "diff --git ...",        "fail_to_pass": ["t.py::test_a"], "pass_to_pass": [],
-     "reward_fn": "reward.tests:HiddenTests", "agent_loop": "pkg.mod:Loop"}
+     "reward_fn": "reward.grading.hidden_tests:HiddenTests", "agent_loop": "pkg.mod:Loop"}
 
 Only "id" and one of "prompt"/"messages" are required. Relative folders are resolved
 against the file's folder and must exist. Every mistake is a ValueError naming the

@@ -163,7 +163,7 @@ def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Ta
                     fail_to_pass=fail_to_pass,
                     pass_to_pass=get_str_list(ref, row, "PASS_TO_PASS"),
                     test_command=test_command, log_parser=log_parser,
-                    reward_fn="reward.tests:HiddenTests")
+                    reward_fn="reward.grading.hidden_tests:HiddenTests")
     except ValueError as exc:
         raise ref.error(None, str(exc)) from None
 

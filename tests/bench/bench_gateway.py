@@ -1,7 +1,7 @@
 """Bench: the gateway's overhead per request with N concurrent sessions (black-box
 harnesses speaking HTTP), side by side with agent loops calling the router directly, for
 one gateway on the worker's event loop and for K gateway processes behind the same
-router (rollout.gateway_procs).
+router (rollout.gateway.procs).
 
 Stand-in engine (no model): each generate call sleeps `--engine-ms` and returns a fixed
 short reply of the tiny model's tokenizer plus its stop token; the time it spends is
@@ -41,8 +41,8 @@ from envs.types import TerminationReason
 from rollout.chat import build_continuity_builder
 from rollout.engine import Sampling, TokenOutput
 from rollout.gate import TurnGate
-from rollout.gateway import Gateway, GatewayServer, GatewaySettings
-from rollout.gateway_protocol import parse_openai_request
+from rollout.gateway.server import Gateway, GatewayServer, GatewaySettings
+from rollout.gateway.protocol import parse_openai_request
 from rollout.recorder import Budgets
 from rollout.router import Router
 
@@ -116,7 +116,7 @@ async def run_gateway(tokenizer, chat, n: int, turns: int, engine_s: float, num_
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
-    from rollout.gateway_procs import GatewayProcesses
+    from rollout.gateway.procs import GatewayProcesses
 
     gateway, engine = build(tokenizer, chat, engine_s)
     if num_procs:

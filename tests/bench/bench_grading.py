@@ -41,7 +41,7 @@ async def measure(backend: str, repeats: int, work: Path) -> dict[str, dict[str,
     from envs.tasks import load_tasks
     from envs.tasks.code import spec_by_name
     from reward.base import RewardContext
-    from reward.tests import HiddenTests
+    from reward.grading.hidden_tests import HiddenTests
     from reward.workspace import WorkspaceChanges
 
     if backend == "local":

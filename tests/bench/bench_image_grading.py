@@ -3,7 +3,7 @@
     python tests/bench/bench_image_grading.py [TASKS.jsonl]   (default: the swe_smith_images set)
 
 For every row: the gold patch graded once in a fresh container of the task's image
-(reward.tests.HiddenTests.grade), split into the grading folder (base copy, the agent's
+(reward.grading.hidden_tests.HiddenTests.grade), split into the grading folder (base copy, the agent's
 changes, the test patch: "apply"), the container's create ("start") and the driver's
 run ("tests"); then the size of each layer (base, project, task) of the images.
 """
@@ -20,8 +20,8 @@ from envs.sandbox.engine import detect_engine, run_engine
 from envs.tasks.build_swe_smith import build_bundled_image_set
 from envs.tasks.images import image_size_mb
 from reward.base import RewardContext
-from reward.tests import HiddenTests, score_run
-from reward.validate import gold_changes, read_swe_rows
+from reward.grading.hidden_tests import HiddenTests, score_run
+from reward.grading.validate import gold_changes, read_swe_rows
 
 
 def parent_of(engine, image: str) -> str:

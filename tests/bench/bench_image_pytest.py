@@ -6,7 +6,7 @@ side (run by hand; docs/tasks.md quotes it):
 Rows: the first N of TASKS.jsonl (default: the swe_smith_images set, whose images carry
 pytest 9.2.0) and the calc row of tests/integration/test_image_tasks.py on an image with
 pytest 7.4.4. For each row, the gold patch is graded K times with each pytest, the two
-alternating (reward.tests.HiddenTests(use_image_pytest=...).grade), in a fresh container
+alternating (reward.grading.hidden_tests.HiddenTests(use_image_pytest=...).grade), in a fresh container
 of the task's image; printed: which pytest ran, the reward, the driver's run ("tests",
 where the two differ) and the whole grading (apply + container start + tests), medians.
 """
@@ -25,8 +25,8 @@ from envs.cache import default_cache_dir
 from envs.sandbox.container import ContainerSandbox
 from envs.tasks.build_swe_smith import build_bundled_image_set
 from reward.base import RewardContext
-from reward.tests import HiddenTests, pytest_label, score_run
-from reward.validate import gold_changes, read_swe_rows
+from reward.grading.hidden_tests import HiddenTests, pytest_label, score_run
+from reward.grading.validate import gold_changes, read_swe_rows
 
 HERE = Path(__file__).resolve().parent
 

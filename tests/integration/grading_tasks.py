@@ -19,7 +19,7 @@ from envs.tasks import load_tasks
 from envs.types import Task, Trajectory
 from git_repo import run_git
 from reward.base import RewardContext, RewardResult
-from reward.tests import HiddenTests
+from reward.grading.hidden_tests import HiddenTests
 from reward.workspace import WorkspaceChanges
 
 GRADING_BACKENDS = ("local", "container")

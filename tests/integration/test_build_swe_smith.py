@@ -16,7 +16,7 @@ import pytest
 
 from envs.tasks import load_tasks
 from envs.tasks.build_swe_smith import MUTATIONS, PROJECTS, build_tasks, candidate_bugs, copy_release
-from reward.validate import validate_file
+from reward.grading.validate import validate_file
 
 hjson = pytest.importorskip("hjson")
 

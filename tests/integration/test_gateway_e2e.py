@@ -19,8 +19,8 @@ from reward.loop import RewardLoop
 from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
 from rollout.gate import TurnGate
-from rollout.gateway import Gateway, GatewayServer, GatewaySettings
-from rollout.gateway_loop import GatewayAgentLoop, HarnessEndpoint
+from rollout.gateway.server import Gateway, GatewayServer, GatewaySettings
+from rollout.gateway.loop import GatewayAgentLoop, HarnessEndpoint
 from rollout.recorder import Budgets
 from rollout.router import Router
 from rollout.worker import AgentLoopWorker

@@ -23,7 +23,7 @@ from envs.types import TerminationReason
 from reward.loop import RewardLoop
 from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
-from rollout.mini_swe import MiniSweAgentLoop, SandboxEnvironment
+from rollout.gateway.mini_swe import MiniSweAgentLoop, SandboxEnvironment
 from rollout.recorder import Budgets
 from rollout.router import Router
 from rollout.worker import AgentLoopWorker
@@ -88,7 +88,7 @@ def make_worker(engine, tiny_model_path, pool, loop: str):
         default_loop=loop, settings=settings, chat=build_continuity_builder(tokenizer, "tiny"),
         tokenizer=tokenizer, router=Router({"e0": recording}),
         envs=EnvBuilder(load_tool_classes(), pool, SETTINGS),
-        rewards=RewardLoop("reward.tests:HiddenTests", tokenizer.decode, timeout_s=60.0, max_concurrency=2,
+        rewards=RewardLoop("reward.grading.hidden_tests:HiddenTests", tokenizer.decode, timeout_s=60.0, max_concurrency=2,
                            create_sandbox=load_sandbox_factory("local")),
         trajectory_timeout_s=120)
     return worker, recording, tokenizer
@@ -186,7 +186,7 @@ async def test_mini_swe_agent_commands_run_in_the_trajectorys_sandbox(pool, task
     workspace the agent changed is what grading gets."""
     from minisweagent.exceptions import Submitted
 
-    from rollout.gateway_loop import HarnessEndpoint
+    from rollout.gateway.loop import HarnessEndpoint
 
     env = EnvBuilder(load_tool_classes(), pool, SETTINGS).build(task)
     await env.open()

@@ -22,7 +22,7 @@ from envs.sandbox.base import SandboxLimits, SandboxSpec
 from envs.tasks import load_tasks
 from envs.tasks.code import VISIBLE_TESTS_DIR
 from reward.base import RewardContext, RewardResult, load_reward_fn
-from reward.tests import HiddenTests
+from reward.grading.hidden_tests import HiddenTests
 from reward.workspace import WorkspaceChanges, changes_from_snapshot
 from envs.types import Task
 from git_repo import run_git
@@ -66,7 +66,7 @@ async def run_agent(task: Task, files: Mapping[str, bytes] = {}, commands: tuple
 
 
 async def grade(task: Task, changes: WorkspaceChanges) -> RewardResult:
-    reward_fn = load_reward_fn(task.reward_fn or "reward.tests:HiddenTests")
+    reward_fn = load_reward_fn(task.reward_fn or "reward.grading.hidden_tests:HiddenTests")
     return await reward_fn(trajectory_of(task), task,
                            RewardContext(workspace=changes, timeout_s=120))
 

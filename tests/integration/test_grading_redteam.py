@@ -27,8 +27,8 @@ from envs.tasks import load_tasks
 from envs.tasks.code import spec_by_name
 from envs.types import Task
 from reward.base import RewardContext
-from reward.junit import Outcome
-from reward.tests import GradingRun, HiddenTests
+from reward.grading.junit import Outcome
+from reward.grading.hidden_tests import GradingRun, HiddenTests
 from reward.workspace import WorkspaceChanges
 
 

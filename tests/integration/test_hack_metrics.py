@@ -33,7 +33,7 @@ def test_hacking_attempts_are_counted_in_the_metrics(tmp_path: Path,
     cfg = load_config("quickstart.yaml", [
         "model.warm_start=null", "eval.tasks=null", "envs.tasks=code_functions",
         "envs.num_warm_sandboxes=0", "model.max_context_tokens=4096",
-        "agent.loop=hack_plugins:ScriptedHackLoop", "reward.fn=reward.tests:HiddenTests",
+        "agent.loop=hack_plugins:ScriptedHackLoop", "reward.fn=reward.grading.hidden_tests:HiddenTests",
         "agent.max_new_tokens_per_turn=8", "agent.max_response_tokens=256",
         "train.num_steps=2", "train.group_size=4", "train.groups_per_step=2",
         "reward.max_concurrency=2", f"logging.output_dir={tmp_path}", "logging.run_name=hacks",

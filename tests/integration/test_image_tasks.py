@@ -22,7 +22,7 @@ from envs.tasks import load_tasks
 from git_repo import CALC, calc_repo, run_git
 from grading_tasks import grade, sandbox_factory
 from hack_payloads import FORCEPASS, PATCH_RUNNER
-from reward.validate import gold_changes, validate_file
+from reward.grading.validate import gold_changes, validate_file
 from reward.workspace import WorkspaceChanges
 
 

@@ -1,7 +1,7 @@
 """recipes/swe_mini.yaml for 2 steps in containers on two freshly built SWE-smith-style
 hjson tasks, each with its own podman image (the repository at /testbed, image-only
 rows): every task's image is prewarmed and used, the agent works at /testbed, the gold
-patch applied through the real tools scores 1 through reward.tests:HiddenTests in a
+patch applied through the real tools scores 1 through reward.grading.hidden_tests:HiddenTests in a
 fresh container of the task's image, nothing is lost.
 Heavy (Ray, vLLM, DeepSpeed, task and image building): set SLUICE_SWE_MINI=1 to run it."""
 

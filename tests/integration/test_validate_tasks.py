@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from git_repo import CALC, calc_repo, run_git
-from reward.validate import format_table, main, validate_file
+from reward.grading.validate import format_table, main, validate_file
 
 FIXED = CALC.replace("a - b", "a + b")
 NOT_FIXED = CALC.replace("    return a * b", "    # a comment changes nothing\n    return a * b")

@@ -23,7 +23,7 @@ from envs.tasks import load_tasks
 from envs.tasks.code import VISIBLE_TESTS_DIR, spec_by_name
 from envs.tools.sandbox_tools import SandboxToolSettings
 from envs.trajectory_env import EnvBuilder, load_tool_classes
-from reward.tests import HiddenTests
+from reward.grading.hidden_tests import HiddenTests
 from reward.loop import RewardLoop
 from envs.types import HIDDEN_TESTS_DIR, Task, TerminationReason
 

@@ -17,8 +17,8 @@ from envs.types import TerminationReason
 from rollout.chat import build_continuity_builder
 from rollout.engine import TokenOutput
 from rollout.gate import TurnGate
-from rollout.gateway import Gateway, GatewaySettings
-from rollout.gateway_protocol import (ProtocolError, anthropic_response, openai_response,
+from rollout.gateway.server import Gateway, GatewaySettings
+from rollout.gateway.protocol import (ProtocolError, anthropic_response, openai_response,
                                       parse_anthropic_request, parse_openai_request)
 from rollout.recorder import Budgets
 from rollout.router import Router
@@ -217,12 +217,12 @@ async def test_a_multi_token_stop_string_is_refused_and_counted(tokenizer, chat)
 
 
 async def test_rpc_peers_call_each_other_and_fail_pending_calls_on_close():
-    """The worker <-> gateway-process link (rollout.gateway_procs): calls both ways, in
+    """The worker <-> gateway-process link (rollout.gateway.procs): calls both ways, in
     parallel, errors come back as the caller's error, a closed link fails what is pending."""
     import asyncio
     import socket
 
-    from rollout.gateway_procs import RpcPeer
+    from rollout.gateway.procs import RpcPeer
 
     a_sock, b_sock = socket.socketpair()
     (ra, wa), (rb, wb) = [await asyncio.open_unix_connection(sock=s) for s in (a_sock, b_sock)]
@@ -256,7 +256,7 @@ async def test_rpc_peers_call_each_other_and_fail_pending_calls_on_close():
 
 
 def test_chat_spec_rebuilds_the_same_builder(tokenizer, chat):
-    from rollout.gateway_procs import ChatSpec
+    from rollout.gateway.procs import ChatSpec
 
     spec = ChatSpec.of(chat)
     assert (spec.family, spec.tool_parser, spec.reasoning_parser) == ("tiny", "hermes", "none")

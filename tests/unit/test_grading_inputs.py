@@ -1,7 +1,7 @@
 """What grading builds before any test runs, without a sandbox: the grader's pytest config
-carried from the task source (reward.runner_config), the test patch applied away from the
-agent's files (reward.patch), the sentinels planted among the tests (reward.sentinels),
-and the driver's check of the record stream (reward.driver.verify_stream)."""
+carried from the task source (reward.grading.runner_config), the test patch applied away from the
+agent's files (reward.grading.patch), the sentinels planted among the tests (reward.grading.sentinels),
+and the driver's check of the record stream (reward.grading.driver.verify_stream)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import pytest
 
 from envs.types import Message, Task
 from reward import patch as patch_module
-from reward.driver import verify_stream
-from reward.patch import patched_files
-from reward.runner_config import (find_source_config, grading_addopts, pytest_config_names,
+from reward.grading.driver import verify_stream
+from reward.grading.patch import patched_files
+from reward.grading.runner_config import (find_source_config, grading_addopts, pytest_config_names,
                                   render_grader_config, top_level_modules)
-from reward.sentinels import Collection, plant_sentinels
+from reward.grading.sentinels import Collection, plant_sentinels
 
 
 def test_config_names_come_from_pytest_itself() -> None:

@@ -1,5 +1,5 @@
-"""The grading programs that run on the sandbox's Python (reward.driver, reward.boot,
-reward.recorder) stay within Python 3.8 and pytest 6.2 (only 3.11 exists here, so this
+"""The grading programs that run on the sandbox's Python (reward.grading.driver, reward.grading.boot,
+reward.grading.recorder) stay within Python 3.8 and pytest 6.2 (only 3.11 exists here, so this
 is what can be checked without an old interpreter: the 3.8 grammar, no newer standard-
 library API by name, no new-style hook wrappers), and boot's choice of pytest: the
 sandbox Python's own from 6.2 on, never one inside the workspace."""

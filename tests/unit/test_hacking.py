@@ -12,8 +12,8 @@ import pytest
 
 from envs.types import HIDDEN_TESTS_DIR, Message, Task
 from reward.base import RewardContext, RewardResult
-from reward.grading import ProtectionRules
-from reward.hacking import (FINDINGS, DiffContext, Finding, apply_findings, code_features,
+from reward.grading.prepare import ProtectionRules
+from reward.grading.hacking import (FINDINGS, DiffContext, Finding, apply_findings, code_features,
                             diff_findings, transcript_findings, with_findings)
 from reward.workspace import WorkspaceChanges
 

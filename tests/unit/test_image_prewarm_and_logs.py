@@ -14,7 +14,7 @@ from envs.pool_metrics import PoolMetrics
 from envs.sandbox import images
 from envs.sandbox.engine import ContainerEngine
 from envs.types import Message, Task
-from reward.junit import Outcome
+from reward.grading.junit import Outcome
 
 FAKE_ENGINE = ContainerEngine("podman", "/fake/podman", "/fake/catatonit")
 
@@ -84,7 +84,7 @@ RUNNER_TASK = Task("r", (Message("user", "x"),), image="localhost/r", workdir="/
 
 def test_runner_output_statuses_and_forged_lines() -> None:
     pytest.importorskip("swebench")
-    from reward.swebench_log import exit_code_finding, parse_statuses
+    from reward.grading.swebench_log import exit_code_finding, parse_statuses
 
     log = (f"{TEST} ... FAIL\ntest_b (app.tests.T.test_b) ... ok\n\n"
            f"======\nFAIL: {TEST}\n------\nAssertionError\n")

@@ -14,7 +14,7 @@ import pytest
 from envs.sandbox.base import Snapshot
 from reward.base import (BUILTIN_REWARDS, RewardContext, RewardFn, RewardResult,
                          last_model_text, load_reward_fn)
-from reward.junit import Outcome, junit_key, parse_junit
+from reward.grading.junit import Outcome, junit_key, parse_junit
 from reward.rules import ExactMatch, NumericMatch, extract_final_answer, parse_number
 from reward.workspace import (WorkspaceChanges, changes_from_dir, changes_from_snapshot,
                               clean_relative_path)
@@ -117,7 +117,7 @@ async def test_rule_builtins_meet_the_reward_fn_contract(name: str) -> None:
 
 def test_load_reward_fn_errors() -> None:
     assert set(BUILTIN_REWARDS.values()) == {"reward.rules:ExactMatch", "reward.rules:NumericMatch",
-                                             "reward.tests:HiddenTests", "reward.judge:GenerativeJudge"}
+                                             "reward.grading.hidden_tests:HiddenTests", "reward.judge:GenerativeJudge"}
     for name, path in BUILTIN_REWARDS.items():  # the short name and the import string alike
         assert type(load_reward_fn(name)) is type(load_reward_fn(path))
     for bad, message in [("reward.rules.ExactMatch", "neither a built-in nor an import string"),

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from reward.crosscheck import build_account
-from reward.grading import (BOOT, DRIVER, GRADER_CONFIG, GRADER_DIR, OUT_DIR, RECORDER,
+from reward.grading.crosscheck import build_account
+from reward.grading.prepare import (BOOT, DRIVER, GRADER_CONFIG, GRADER_DIR, OUT_DIR, RECORDER,
                             RUNTIME_ZIP, GradingLayout, ProtectionRules, build_grading_dir)
-from reward.junit import parse_junit
-from reward.patch import patched_paths
-from reward.sentinels import Sentinel
-from reward.tests import DriverResult, GradingRun, parse_driver_line, score_run
+from reward.grading.junit import parse_junit
+from reward.grading.patch import patched_paths
+from reward.grading.sentinels import Sentinel
+from reward.grading.hidden_tests import DriverResult, GradingRun, parse_driver_line, score_run
 from reward.workspace import WorkspaceChanges
 from envs.types import HIDDEN_TESTS_DIR, Message, Task
 
@@ -180,7 +180,7 @@ LAYOUT = GradingLayout(test_args=(), protected={}, config_files=(), has_conftest
 
 def junit(cases: dict[str, str]) -> bytes:
     """A report from node id -> passed/failed/error/skipped."""
-    from reward.junit import junit_key
+    from reward.grading.junit import junit_key
 
     body = ""
     for node_id, outcome in cases.items():

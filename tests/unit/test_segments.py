@@ -13,7 +13,7 @@ import pytest
 from buffer.batch import TrainBatch
 from buffer.replay_buffer import ReplayBuffer
 from envs.types import NO_VERSION, Group, Task, Message, TerminationReason, Trajectory
-from rollout.gateway import GatewayStats
+from rollout.gateway.server import GatewayStats
 from rollout.recorder import TrajectoryRecorder
 from rollout.worker import WorkerStats
 from tests.unit.test_agent_loop import make_worker

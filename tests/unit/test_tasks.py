@@ -30,14 +30,14 @@ def test_good_rows_become_tasks(tmp_path: Path) -> None:
         "",  # blank lines are skipped
         {"id": "b", "messages": [{"role": "user", "content": "Fix it."}], "source_dir": "repo",
          "hidden_tests": "hidden", "fail_to_pass": ["_sluice_hidden/test_x.py::test_a"],
-         "reward_fn": "reward.tests:HiddenTests", "image": None},
+         "reward_fn": "reward.grading.hidden_tests:HiddenTests", "image": None},
     ])
     a, b = load_tasks(path)
     assert a.messages == (Message("system", "Be brief."), Message("user", "What is 2+2?"))
     assert (a.answer, a.tools, a.source_dir) == ("4", ("calculator",), None)
     assert b.source_dir == str(tmp_path / "repo") and b.hidden_tests == str(tmp_path / "hidden")
     assert b.fail_to_pass == ("_sluice_hidden/test_x.py::test_a",)
-    assert b.reward_fn == "reward.tests:HiddenTests" and b.image is None
+    assert b.reward_fn == "reward.grading.hidden_tests:HiddenTests" and b.image is None
 
 
 @pytest.mark.parametrize("row, message", [
@@ -150,7 +150,7 @@ def test_code_task_set_layout(tmp_path: Path) -> None:
                                  "swe_smith_hjson", "swe_smith_images"}
     for task in tasks:
         spec = specs[task.id.split("/", 1)[1]]
-        assert task.reward_fn == "reward.tests:HiddenTests"
+        assert task.reward_fn == "reward.grading.hidden_tests:HiddenTests"
         assert task.fail_to_pass == tuple(f"{HIDDEN_TESTS_DIR}/{spec.hidden_file}::{t}"
                                           for t in hidden_test_names(spec.hidden_tests))
         folders = [Path(p) for p in (task.source_dir, task.visible_tests, task.hidden_tests)]

@@ -52,7 +52,7 @@ def test_row_becomes_task_on_a_fresh_single_commit_repo(tmp_path: Path,
     (tmp_path / "swe.jsonl").write_text(json.dumps(swe_row(base)) + "\n")
     [task] = load_tasks(str(tmp_path / "swe.jsonl"), cache_dir=str(tmp_path / "cache"))
     src = Path(task.source_dir or "")
-    assert task.id == "demo__calc-7" and task.reward_fn == "reward.tests:HiddenTests"
+    assert task.id == "demo__calc-7" and task.reward_fn == "reward.grading.hidden_tests:HiddenTests"
     assert task.fail_to_pass == ("t/test_v.py::test_value",) and task.pass_to_pass == ()
     assert "VALUE should be 2." in task.messages[-1].content
     assert "gold patch" not in "".join(m.content for m in task.messages)

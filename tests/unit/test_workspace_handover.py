@@ -22,7 +22,7 @@ from envs.tools.sandbox_tools import SandboxToolSettings
 from envs.trajectory_env import EnvBuilder, load_tool_classes
 from reward.base import RewardContext, RewardResult
 from reward.loop import RewardLoop
-from reward.tests import HiddenTests
+from reward.grading.hidden_tests import HiddenTests
 from reward.workspace import WorkspaceChanges, changes_from_dir, changes_from_snapshot
 from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
@@ -188,7 +188,7 @@ async def test_hidden_tests_score_an_uncaptured_workspace_zero_without_grading(
 
 async def test_the_reward_loop_passes_the_workspace_to_the_task_reward_fn(tmp_path: Path) -> None:
     task = Task("fix", (Message("user", "Fix it."),), source_dir=str(tmp_path),
-                fail_to_pass=("test_fix.py::test_it",), reward_fn="reward.tests:HiddenTests")
+                fail_to_pass=("test_fix.py::test_it",), reward_fn="reward.grading.hidden_tests:HiddenTests")
     loop = RewardLoop("reward.rules:ExactMatch", lambda ids: "", timeout_s=30.0,
                       max_concurrency=2)
     # HiddenTests only answers without a grading sandbox when it was given this workspace.

@@ -122,7 +122,7 @@ def task_of(spec: CodeTaskSpec, root: str) -> Task:
                 tools=TOOLS, source_dir=os.path.join(folder, "source"),
                 visible_tests=os.path.join(folder, "visible"),
                 hidden_tests=os.path.join(folder, "hidden"), fail_to_pass=ids,
-                reward_fn="reward.tests:HiddenTests")
+                reward_fn="reward.grading.hidden_tests:HiddenTests")
 
 
 def _unwrap(text: str) -> str:

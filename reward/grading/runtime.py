@@ -3,7 +3,7 @@ pytest and its dependencies, with precompiled bytecode, importable by the sandbo
 python through zipimport.
 
 It is the fallback: where the sandbox's Python imports a supported pytest of its own (a
-task image's, 6.2 onwards), that one grades (reward.boot). Sandboxes of the local
+task image's, 6.2 onwards), that one grades (reward.grading.boot). Sandboxes of the local
 backend see only the host's read-only system runtime, which need not have pytest; the
 shipped copy is the same in every grading run there, whatever the agent installed. Built once per pytest version into the cache folder (the bytecode saves
 0.3 s of pytest start-up; a python of another minor version ignores it and compiles the
@@ -11,7 +11,7 @@ sources).
 
 Next to the zip, `preload.json` lists every standard-library module the runtime's code
 imports anywhere (found in its syntax trees at build time): the sandbox's start-up
-(reward.boot) imports them all before the workspace becomes importable, so nothing the
+(reward.grading.boot) imports them all before the workspace becomes importable, so nothing the
 runner loads later, lazily, can be taken from the agent's files.
 """
 

@@ -8,9 +8,9 @@ write anything that uid can. The driver keeps its verdict out of that process's 
 
 1. it makes itself non-dumpable, so same-uid processes can neither ptrace it nor open its
    file descriptors (its stdout, the only channel to the host) through /proc;
-2. it runs the tests in a child (reward.boot, then pytest) whose stdout/stderr are a log
+2. it runs the tests in a child (reward.grading.boot, then pytest) whose stdout/stderr are a log
    file, never its own, with a fresh random key and a pipe: the child's recorder plugin
-   streams one authenticated record per event (reward.recorder), which this process
+   streams one authenticated record per event (reward.grading.recorder), which this process
    reads as it comes, so no record can be changed after the fact;
 3. when the child ends or its time is up, it SIGKILLs every other process it can signal
    (kill(-1): daemons the agent's code left behind, still able to rewrite files), which
@@ -21,10 +21,10 @@ write anything that uid can. The driver keeps its verdict out of that process's 
 5. prints one line, `SLUICE-GRADE <nonce> <json>`, and exits 0.
 
 The host trusts that line only together with the files whose hashes it names, and
-cross-checks the two accounts of the run (reward.crosscheck).
+cross-checks the two accounts of the run (reward.grading.crosscheck).
 
 The pytest that runs is the sandbox Python's own where it has a supported one, else the
-grader's bundled copy (reward.boot chooses, before any workspace file is importable, and
+grader's bundled copy (reward.grading.boot chooses, before any workspace file is importable, and
 says which in the stream's first record); the line names it (`pytest`), from that
 record only. This file and boot run on the sandbox's Python, 3.8 to 3.11: no syntax or
 standard-library API newer than 3.8 (annotations are never evaluated).
@@ -57,7 +57,7 @@ import time
 PR_SET_DUMPABLE = 4
 LOG_TAIL_BYTES = 4096
 MAX_LISTED = 50  # paths or problems named per finding
-MAC_HEX = 32  # as reward.recorder
+MAC_HEX = 32  # as reward.grading.recorder
 
 
 def make_undumpable() -> bool:

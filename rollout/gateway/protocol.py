@@ -1,5 +1,5 @@
 """OpenAI chat-completions and Anthropic messages wire formats <-> sluice's Message, tools
-and one model turn, for the gateway (rollout.gateway). Plain functions on JSON-shaped
+and one model turn, for the gateway (rollout.gateway.server). Plain functions on JSON-shaped
 dicts: no web framework here, so they are unit-tested without a server.
 
 A request becomes a `TurnRequest` (messages, OpenAI-style tool schemas, per-request

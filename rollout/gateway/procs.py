@@ -32,7 +32,7 @@ from typing import Any
 from envs.types import TerminationReason, Trajectory
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
-from rollout.gateway import Gateway, GatewaySettings, GatewayServer, GatewayStats, sum_gateway_stats
+from rollout.gateway.server import Gateway, GatewaySettings, GatewayServer, GatewayStats, sum_gateway_stats
 from rollout.router import Router
 
 log = logging.getLogger(__name__)

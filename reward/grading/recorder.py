@@ -1,10 +1,10 @@
-"""The recorder: a pytest plugin the grading start-up (reward.boot) loads before any
-workspace file is importable. It streams what happens, as it happens, to reward.driver
+"""The recorder: a pytest plugin the grading start-up (reward.grading.boot) loads before any
+workspace file is importable. It streams what happens, as it happens, to reward.grading.driver
 over an inherited pipe, one authenticated record per line:
 
     <json> <mac>     json = {"s": seq, "k": kind, ...}; mac = HMAC-SHA256(key, json)[:32]
 
-kinds: `runner` (first, from reward.boot before any workspace file is importable: which
+kinds: `runner` (first, from reward.grading.boot before any workspace file is importable: which
 pytest runs, its version and whether it is the image's own or the grader's bundled one),
 `item` (each collected test, in run order, with its kind), `collect_error`,
 `begin`/`end` (around each test's protocol), `report` (each setup/call/teardown report),
@@ -16,7 +16,7 @@ JUnit file at exit, a daemon) disagrees with the stream; the key keeps code that
 finds the pipe from writing records the driver accepts; the `call` record is observed
 beneath every hook, so a report forced to "passed" over a raising test disagrees with
 it. Code that runs in this process can still find the key in memory or call the
-recorder itself; see reward.crosscheck for what that leaves.
+recorder itself; see reward.grading.crosscheck for what that leaves.
 
 It runs under whichever pytest grades (the image's own, 6.2 to 9, on Python 3.8 to 3.11,
 or the bundled one): old-style hook wrappers (`hookwrapper=True`, pluggy 0.12 onwards;
@@ -81,7 +81,7 @@ class Recorder:
             data = data[os.write(self._fd, data):]
 
     def runner(self, version: str, source: str) -> None:
-        """The first record: which pytest runs (reward.boot, before the workspace is
+        """The first record: which pytest runs (reward.grading.boot, before the workspace is
         importable)."""
         self._emit("runner", version=version, source=source)
 

@@ -7,7 +7,7 @@ Findings come from three places:
 - the agent's diff (`diff_findings`): which paths it touches and what its Python code
   newly does, compared with the task source's version of the same file;
 - what the model wrote (`transcript_findings`): its own tool calls and commands;
-- the grading run (reward.crosscheck and the driver's checks): sentinels that passed,
+- the grading run (reward.grading.crosscheck and the driver's checks): sentinels that passed,
   accounts of the run that disagree, protected files changed during the run.
 
 A finding is evidence of an attempt, not proof of success: grading already drops test
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from envs.types import HIDDEN_TESTS_DIR, Task, WorkspaceChanges
 from reward.base import RewardContext, RewardResult
 from reward.config import HackPolicy
-from reward.runner_config import (STARTUP_NAMES, pytest_config_names, shadow_names,
+from reward.grading.runner_config import (STARTUP_NAMES, pytest_config_names, shadow_names,
                                   top_level_modules)
 
 PREFIX = "hack_"
@@ -67,7 +67,7 @@ class Finding:
     def __post_init__(self) -> None:
         if self.name not in FINDINGS:
             raise ValueError(f"unknown hacking finding {self.name!r}; add it to "
-                             "reward.hacking.FINDINGS with its meaning")
+                             "reward.grading.hacking.FINDINGS with its meaning")
 
 
 def apply_findings(result: RewardResult, findings: Iterable[Finding],
@@ -94,7 +94,7 @@ def apply_findings(result: RewardResult, findings: Iterable[Finding],
 def with_findings(result: RewardResult, task: Task, ctx: RewardContext,
                   visible_tests_dir: str = "visible_tests") -> RewardResult:
     """`result` with the findings of the trajectory's diff and transcript, under the
-    context's policy: what every RewardFn's result gets (reward.tests:HiddenTests adds
+    context's policy: what every RewardFn's result gets (reward.grading.hidden_tests:HiddenTests adds
     those of its grading run too). Idempotent, so a result that has them keeps them."""
     found = static_findings(task, ctx.workspace, ctx.transcript or ctx.final_text,
                             visible_tests_dir)
@@ -105,8 +105,8 @@ def static_findings(task: Task, workspace: WorkspaceChanges | None, transcript: 
                     visible_tests_dir: str = "visible_tests") -> list[Finding]:
     """The findings of what the model wrote, and of its final workspace against the task
     source (none for a workspace that was not captured)."""
-    from reward.grading import build_rules, given_files, tests_folder
-    from reward.runner_config import find_source_config
+    from reward.grading.prepare import build_rules, given_files, tests_folder
+    from reward.grading.runner_config import find_source_config
 
     found = transcript_findings(transcript)
     if workspace is None or workspace.problem:
@@ -126,7 +126,7 @@ class DiffContext:
     """What the diff is judged against."""
 
     source_dir: str | None
-    is_test_path: Callable[[str], bool]  # reward.grading's ProtectionRules.is_test_path
+    is_test_path: Callable[[str], bool]  # reward.grading.prepare's ProtectionRules.is_test_path
     given: Mapping[str, bytes]  # files the tools put in every workspace (visible tests)
     import_roots: tuple[str, ...]  # workspace folders on sys.path when tests run
     source_modules: frozenset[str]  # top-level module names the source defines there
@@ -245,7 +245,7 @@ def _matches(feature: str, signs: tuple[str, ...]) -> bool:
     return False
 
 
-# Findings run on threads (reward.tests); ast.parse from two threads at once can raise
+# Findings run on threads (reward.grading.hidden_tests); ast.parse from two threads at once can raise
 # "SystemError: AST constructor recursion depth mismatch" on Python 3.11.
 _PARSE_LOCK = threading.Lock()
 

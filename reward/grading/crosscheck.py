@@ -3,7 +3,7 @@ as it happened, authenticated, read by the driver while the tests ran) against p
 JUnit report (written at the end, by the process that ran the agent's code), against the
 driver's own exit code, and against the sentinels that must fail.
 
-Findings (reward.hacking names them `hack_<name>`):
+Findings (reward.grading.hacking names them `hack_<name>`):
 - stream_forged: a stream line failed authentication, the sequence has a gap, records
   came after the end, or the stream overflowed;
 - report_disagreed: the run completed but the stream did not (or its exit status is not
@@ -18,7 +18,7 @@ What remains possible (no in-process check is sound alone): code running inside 
 process can read the recorder's key and pipe from memory and write a consistent false
 account from the start, or make the tests themselves pass by patching what they call
 while leaving every sentinel's own false assertion alone (it must recognise them, e.g.
-by reading each test's source); the static findings of reward.hacking (runner internals,
+by reading each test's source); the static findings of reward.grading.hacking (runner internals,
 frame and object walking, exit handlers) are what flag such code, and
 reward.hack_policy=zero turns them into a zero reward.
 """
@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from reward.hacking import Finding
-from reward.junit import JUnitReport, Outcome, junit_key
-from reward.sentinels import Sentinel
+from reward.grading.hacking import Finding
+from reward.grading.junit import JUnitReport, Outcome, junit_key
+from reward.grading.sentinels import Sentinel
 
 MAX_NAMED = 5  # tests named per finding
 

@@ -21,7 +21,7 @@ Each session has its own bearer token (OpenAI `Authorization: Bearer`, Anthropic
 `x-api-key`); a sandboxed harness holding one cannot write into another session.
 Requests of one session are served one at a time. Generations go through a TurnService:
 the turn gate and the router of the agent-loop worker (LocalTurns, when the gateway runs
-on the worker's event loop; RemoteTurns from a gateway process, rollout.gateway_procs), so
+on the worker's event loop; RemoteTurns from a gateway process, rollout.gateway.procs), so
 a weight push still lands between turns. fastapi and uvicorn are imported only when the
 app is built.
 """
@@ -43,7 +43,7 @@ from envs.types import Message, TerminationReason, Trajectory
 from rollout.chat import ContinuityBuilder, encode
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
-from rollout.gateway_protocol import (ProtocolError, TurnReply, TurnRequest, anthropic_response,
+from rollout.gateway.protocol import (ProtocolError, TurnReply, TurnRequest, anthropic_response,
                                       anthropic_stream, extension_suffix, openai_response, openai_stream,
                                       parse_anthropic_request, parse_openai_request)
 from rollout.parsers import parse_generation
@@ -118,7 +118,7 @@ class GatewaySession:
 
 class TurnService(Protocol):
     """Where a gateway's generations go: the turn gate and the sticky router, in this
-    process (LocalTurns) or in the worker's, for a gateway process (rollout.gateway_procs)."""
+    process (LocalTurns) or in the worker's, for a gateway process (rollout.gateway.procs)."""
 
     async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
                             sampling: Sampling) -> GeneratedTurn: ...

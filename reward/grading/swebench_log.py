@@ -2,7 +2,7 @@
 (Task.test_command + Task.log_parser: django's runtests.py, sympy's bin/test, a
 unittest-style runner) are graded the way SWE-bench grades them upstream, by the
 `swebench` package's parser of the runner's output, inside the same hardened set-up as
-the pytest path (reward.tests):
+the pytest path (reward.grading.hidden_tests):
 
     grading folder (base, protected paths reverted, test patch, agent's changes) in a
     fresh sandbox of the task's image, test files root-owned
@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from envs.types import Task
-from reward.grading import GRADER_DIR, OUT_DIR, GradingLayout, config_names
-from reward.hacking import Finding
-from reward.junit import Outcome
+from reward.grading.prepare import GRADER_DIR, OUT_DIR, GradingLayout, config_names
+from reward.grading.hacking import Finding
+from reward.grading.junit import Outcome
 
 GRADER_PATH = "swebench_log"  # this grader's name in the graded_by_* component
 MAX_LOG_BYTES = 32 << 20
@@ -62,7 +62,7 @@ def _test_spec(task: Task) -> Any:
 
 def command_settings(task: Task, layout: GradingLayout, nonce: str, timeout_s: float,
                      workdir: str) -> dict[str, Any]:
-    """The driver's settings in command mode (see reward.driver)."""
+    """The driver's settings in command mode (see reward.grading.driver)."""
     assert task.test_command is not None
     return {"nonce": nonce, "workspace": workdir, "command": ["bash", "-c", task.test_command],
             "timeout_s": max(1.0, timeout_s), "out_dir": OUT_DIR,

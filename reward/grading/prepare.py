@@ -5,7 +5,7 @@ grader's own pytest config and the grading programs (driver, start-up, recorder,
 
 Nothing here runs the agent's code or any program in the folder: it only writes files,
 on this host, into a fresh folder that a fresh sandbox is then created from (the test
-patch is applied elsewhere, by reward.patch). Which paths count as protected
+patch is applied elsewhere, by reward.grading.patch). Which paths count as protected
 (`ProtectionRules`) is the first line of hack resistance: the agent's versions of them
 are dropped, so editing a test, adding a conftest.py or any file pytest reads config
 from, planting bytecode, a native module or a module named like the standard library or
@@ -28,12 +28,12 @@ from envs.types import HIDDEN_TESTS_DIR, Task
 from reward import boot as boot_module
 from reward import driver as driver_module
 from reward import recorder as recorder_module
-from reward.patch import patched_files, patched_paths
-from reward.runner_config import (STARTUP_NAMES, SourceConfig, find_source_config,
+from reward.grading.patch import patched_files, patched_paths
+from reward.grading.runner_config import (STARTUP_NAMES, SourceConfig, find_source_config,
                                   pytest_config_names, render_grader_config, shadow_names,
                                   source_module_names, top_level_modules)
-from reward.runtime import pytest_runtime_zip
-from reward.sentinels import Collection, Sentinel, plant_sentinels
+from reward.grading.runtime import pytest_runtime_zip
+from reward.grading.sentinels import Collection, Sentinel, plant_sentinels
 from reward.workspace import WorkspaceChanges
 
 GRADER_DIR = ".sluice_grading"  # grader-owned folder in the grading workspace
@@ -138,7 +138,7 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
     test_args = _test_args(task, dest)
     collection = Collection.from_options(source_config.values if source_config else {})
     # pytest's must-fail sentinels; a task graded by its own runner's log gets none (that
-    # path's forged-output checks are in reward.swebench_log).
+    # path's forged-output checks are in reward.grading.swebench_log).
     sentinels = () if task.log_parser is not None else plant_sentinels(
         dest, _test_files(dest, test_args), rng, rng.choice((2, 3)), collection)
     test_args += tuple(dict.fromkeys(
@@ -243,7 +243,7 @@ def _delete_inside(root: str, path: str) -> bool:
 
 
 def _write_test_patch_result(task: Task, dest: str) -> None:
-    """The test patch's files as reward.patch computed them from the source, written over
+    """The test patch's files as reward.grading.patch computed them from the source, written over
     whatever is there (the agent's versions of these paths were dropped already)."""
     for rel, patched in patched_files(task).items():
         done = _delete_inside(dest, rel) if patched is None else _write_inside(

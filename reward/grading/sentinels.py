@@ -11,7 +11,7 @@ drawn from several shapes. Names, places, count and assertions vary per grading.
 
 What remains: code that inspects each test's source at run time and evaluates its final
 assertion can still tell sentinels apart; the recorder's call records and the
-cross-check (reward.crosscheck) are what catch a test reported passing whose function
+cross-check (reward.grading.crosscheck) are what catch a test reported passing whose function
 raised or never ran.
 """
 

@@ -1,4 +1,4 @@
-"""Start-up of the grading test process: reward.driver runs it in the grading sandbox as
+"""Start-up of the grading test process: reward.grading.driver runs it in the grading sandbox as
 `python3 -I -B boot.py`, with its settings as JSON on stdin (standard library only). The
 pytest it runs is the sandbox Python's own when that Python can import one of the
 supported versions (MIN_IMAGE_PYTEST onwards; a task image's pytest, whatever the agent
@@ -11,13 +11,13 @@ runtime zip (settings["use_image_pytest"] false forces the zip). The order is th
    made non-inheritable, so the tests' own subprocesses never get it;
 3. pytest is chosen and imported (the runtime goes first on sys.path for the bundled
    one), with every built-in plugin, every standard-library module the bundled runtime
-   imports anywhere (reward.runtime's preload list) and, for the image's pytest, the
+   imports anywhere (reward.grading.runtime's preload list) and, for the image's pytest, the
    distributions it requires: the runner is complete before any workspace file is
    importable, and its first record says which pytest it is;
 4. a meta-path guard makes every top-level import of a standard-library or runner name
    resolve on the trusted path only (the task source's own modules of such names
    excepted), so a workspace `json.py` or `faulthandler.py` is never what loads;
-5. the recorder plugin (reward.recorder) is loaded from its file under a name chosen
+5. the recorder plugin (reward.grading.recorder) is loaded from its file under a name chosen
    per grading;
 6. only then the workspace goes on sys.path and pytest runs, with the recorder.
 
@@ -26,8 +26,8 @@ newer than 3.8 (sys.stdlib_module_names, 3.10, comes from the settings where abs
 annotations are never evaluated, `from __future__ import annotations`).
 
 What this cannot stop: once the agent's code runs (the tests import it), it can do
-anything this process can, including undoing steps 4 and 5; reward.driver and
-reward.crosscheck are the checks that hold after that.
+anything this process can, including undoing steps 4 and 5; reward.grading.driver and
+reward.grading.crosscheck are the checks that hold after that.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ then written into the grading folder after the agent's changes, independently of
 Why not `git apply` in the grading folder: that folder holds the agent's files, and git
 reads configuration from them (a `.gitconfig` where HOME points, `.config/git/*`,
 `.gitattributes` naming a filter whose command git runs) as the user that runs it: root,
-on the grading host. Every file a test patch touches is test-related (reward.grading
+on the grading host. Every file a test patch touches is test-related (reward.grading.prepare
 drops the agent's versions of them), so the patch always applies to the source's content
 and its result depends on the task alone; it is computed once per task.
 """

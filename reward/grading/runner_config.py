@@ -6,8 +6,8 @@ host, never from the agent's workspace.
 Also what the runner must not be shadowed by: the names of the standard library and of the
 runner's own packages, which a workspace module may only take where the task source itself
 defines one (a repository's `test/` package, say). The grading sandbox's start-up
-(reward.boot) enforces it; reward.grading drops the agent's new files of such names and
-reward.hacking reports them.
+(reward.grading.boot) enforces it; reward.grading.prepare drops the agent's new files of such names and
+reward.grading.hacking reports them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envs.sandbox.base import WORKSPACE_MOUNT
-from reward.runtime import RUNTIME_MODULES, RUNTIME_PACKAGES
+from reward.grading.runtime import RUNTIME_MODULES, RUNTIME_PACKAGES
 
 # pytest 9.2's discovery list, used only where pytest itself cannot be imported.
 _KNOWN_PYTEST_CONFIG_NAMES = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini",

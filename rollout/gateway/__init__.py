@@ -1,0 +1,9 @@
+"""The gateway: OpenAI / Anthropic endpoints per session in front of the sticky router, so
+black-box harnesses that never hand over token ids are trained with exact tokens.
+
+- server: sessions, segments (one per history rewrite), the HTTP app;
+- protocol: the two wire formats <-> one model turn (plain functions);
+- procs: several gateway processes behind the worker's one router and turn gate;
+- loop: GatewayAgentLoop, the AgentLoop that runs a harness against its own session;
+- mini_swe: mini-swe-agent trained through it.
+"""
