@@ -65,7 +65,7 @@ from reward.grading.hacking import Finding, apply_findings, with_findings
 from reward.grading.junit import MAX_REPORT_BYTES, JUnitReport, Outcome, junit_key, module_classname, \
     parse_junit
 from reward.grading.runner_config import RUNNER_NAMES, shadow_names
-from reward import swebench_log
+from reward.grading import swebench_log
 from reward.grading.runtime import runtime_preload
 from reward.workspace import WorkspaceChanges
 

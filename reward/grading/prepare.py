@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from envs.sandbox.base import WORKSPACE_MOUNT, Sandbox
 from envs.types import HIDDEN_TESTS_DIR, Task
-from reward import boot as boot_module
-from reward import driver as driver_module
-from reward import recorder as recorder_module
+from reward.grading import boot as boot_module
+from reward.grading import driver as driver_module
+from reward.grading import recorder as recorder_module
 from reward.grading.patch import patched_files, patched_paths
 from reward.grading.runner_config import (STARTUP_NAMES, SourceConfig, find_source_config,
                                   pytest_config_names, render_grader_config, shadow_names,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from envs.types import Message, Task
-from reward import patch as patch_module
+from reward.grading import patch as patch_module
 from reward.grading.driver import verify_stream
 from reward.grading.patch import patched_files
 from reward.grading.runner_config import (find_source_config, grading_addopts, pytest_config_names,

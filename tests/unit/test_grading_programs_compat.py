@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from reward import boot, driver, recorder
+from reward.grading import boot, driver, recorder
 
 PROGRAMS = (boot, driver, recorder)
 # Standard-library API newer than Python 3.8, by the name code would use (a name in a
