@@ -57,7 +57,7 @@ from envs.sandbox.base import WORKSPACE_MOUNT, Sandbox, SandboxLimits, SandboxSp
 from envs.sandbox.images import task_source_dir
 from envs.types import HIDDEN_TESTS_DIR, Task, Trajectory
 from reward.base import RewardContext, RewardResult, SandboxFactory
-from reward.grading.crosscheck import RunAccount, build_account, cross_check
+from reward.grading.crosscheck import RunAccount, build_account, cross_check, restore_names
 from reward.grading.prepare import (BOOT, DRIVER, GRADER_CONFIG, GRADER_DIR, OUT_DIR, RECORDER,
                             RUNTIME_ZIP, GradingLayout, build_grading_dir, config_names,
                             lock_protected)
@@ -201,6 +201,7 @@ class HiddenTests:
                                   log=log_text, **phases)
             report, problem = await _read_report(sandbox, driver)
             account, stream_problem = await _read_stream(sandbox, driver)
+            account, report = restore_names(account, report, layout.renamed)
             return GradingRun(driver, report, problem or stream_problem, layout, locked, account,
                               in_image=in_image, **phases)
         finally:

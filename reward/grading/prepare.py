@@ -21,7 +21,7 @@ import random
 import shutil
 import stat
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from envs.sandbox.base import WORKSPACE_MOUNT, Sandbox
 from envs.types import HIDDEN_TESTS_DIR, Task
@@ -33,7 +33,8 @@ from reward.grading.runner_config import (STARTUP_NAMES, SourceConfig, find_sour
                                   pytest_config_names, render_grader_config, shadow_names,
                                   source_module_names, top_level_modules)
 from reward.grading.runtime import pytest_runtime_zip
-from reward.grading.sentinels import Collection, Sentinel, plant_sentinels
+from reward.grading.sentinels import (MUTANTS_PER_TASK, Collection, Planted, Sentinel,
+                                      plant_mutation_sentinels, plant_sentinels)
 from reward.workspace import WorkspaceChanges
 
 GRADER_DIR = ".sluice_grading"  # grader-owned folder in the grading workspace
@@ -115,6 +116,9 @@ class GradingLayout:
     sentinels: tuple[Sentinel, ...] = ()  # must-fail tests planted among the tests
     source_config: SourceConfig | None = None  # the source's pytest options, carried over
     rules: ProtectionRules | None = None
+    # Real tests renamed in the folder (beside their mutation sentinels): folder node id
+    # -> the test's own node id, mapped back when the run is read.
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
 
 def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
@@ -139,8 +143,9 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
     collection = Collection.from_options(source_config.values if source_config else {})
     # pytest's must-fail sentinels; a task graded by its own runner's log gets none (that
     # path's forged-output checks are in reward.grading.swebench_log).
-    sentinels = () if task.log_parser is not None else plant_sentinels(
-        dest, _test_files(dest, test_args), rng, rng.choice((2, 3)), collection)
+    planted = Planted() if task.log_parser is not None else _plant_sentinels(
+        task, dest, _test_files(dest, test_args), rng, collection)
+    sentinels = planted.sentinels
     test_args += tuple(dict.fromkeys(
         f for f in (s.node_id.split("::")[0] for s in sentinels)
         if not any(f == a or f.startswith(a.rstrip("/") + "/") for a in test_args)))
@@ -154,7 +159,33 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
     return GradingLayout(test_args=test_args, protected=protected, config_files=config_files,
                          has_conftest=any(p.endswith("conftest.py") for p in config_files),
                          num_reverted=num_reverted, not_applied=not_applied,
-                         sentinels=sentinels, source_config=source_config, rules=rules)
+                         sentinels=sentinels, source_config=source_config, rules=rules,
+                         renamed=planted.renamed)
+
+
+def _plant_sentinels(task: Task, dest: str, test_files: list[str], rng: random.Random,
+                     collection: Collection) -> Planted:
+    """Mutation sentinels (copies of the tests that must fail: reward.grading.sentinels),
+    the fail-to-pass tests and the tests the agent never saw first; where no test has an
+    assertion to change, 2 or 3 sentinels of constants instead."""
+    seen = {f: text for f in test_files
+            if (text := _source_text(task.source_dir, f)) is not None}
+    preferred = frozenset(i.split("[", 1)[0] for i in task.fail_to_pass)
+    planted = plant_mutation_sentinels(dest, list(test_files), rng, MUTANTS_PER_TASK,
+                                       collection, preferred, seen)
+    if planted.sentinels:
+        return planted
+    return Planted(plant_sentinels(dest, test_files, rng, rng.choice((2, 3)), collection))
+
+
+def _source_text(source_dir: str | None, rel: str) -> str | None:
+    if source_dir is None or not os.path.isfile(os.path.join(source_dir, rel)):
+        return None
+    try:
+        with open(os.path.join(source_dir, rel), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def tests_folder(task: Task) -> str:

@@ -25,13 +25,23 @@ import re
 import shlex
 import string
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from reward.grading.mutation import Site, mutation_sites, replace_literal, variants
 
 WORDS = ("again", "basic", "case", "check", "edge", "extra", "inputs", "large", "mixed", "more",
          "other", "regression", "repeat", "second", "simple", "small", "values", "variant")
 MAX_COPIED_LINES = 12  # longer templates give only their signature (sentinels stay cheap)
 _SKIP_CALLS = frozenset({"skip", "skipTest", "xfail", "importorskip", "skipif", "exit"})
+
+
+CONSTANT = "constant"  # ends in an always-false check of constants
+MUTATION = "mutation"  # a copy of a real test expecting a changed value (reward.grading.mutation)
+# Mutation sentinels per grading, spread over the tests (the f2p tests first): the
+# smallest count that keeps a blind selective bypass of a 5-test task's failing tests
+# under 1e-3 (tests/bench/bench_mutation_sentinels.py).
+MUTANTS_PER_TASK = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +52,16 @@ class Sentinel:
 
     node_id: str
     template_id: str | None
+    kind: str = CONSTANT
+
+
+@dataclass(frozen=True, slots=True)
+class Planted:
+    """What planting mutation sentinels did: the sentinels, and the real tests it renamed
+    (node id in the grading folder -> the test's own node id), which the host maps back."""
+
+    sentinels: tuple[Sentinel, ...] = ()
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,3 +305,140 @@ def _false_assertion(rng: random.Random, unittest_style: bool) -> str:
              (f"{word!r}[::-1]", repr(word)), (f"{word!r}.count({word[0]!r})", str(len(word) + k))]
     left, right = rng.choice(pairs)
     return f"self.assertEqual({left}, {right})" if unittest_style else f"assert {left} == {right}"
+
+
+# --- mutation sentinels ---------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    path: str
+    template: Template
+    sites: tuple[Site, ...]
+    rank: int  # lower first: unseen f2p tests, unseen others, then tests the agent saw
+
+    @property
+    def node_id(self) -> str:
+        return _node_id(self.path, self.template, self.template.node.name)
+
+
+def plant_mutation_sentinels(dest: str, target_files: list[str], rng: random.Random,
+                             count: int = MUTANTS_PER_TASK,
+                             collection: Collection = Collection(),
+                             preferred: frozenset[str] = frozenset(),
+                             seen: Mapping[str, str] | None = None) -> Planted:
+    """Up to `count` mutation sentinels in the test files `target_files` (see
+    reward.grading.mutation): copies of tests whose expected value is changed, spread
+    round-robin over the tests that have a literal to change, those in `preferred` (node
+    ids, parameters ignored) first and tests whose source the agent saw (`seen`: path ->
+    the task source's text of that file) last. Each template becomes a group of itself
+    and its copies, every member renamed afresh the way the file's tests are named, the
+    original at a random place in the group (only the host knows which)."""
+    seen = seen or {}
+    candidates = []
+    for path in target_files:
+        text = _read(os.path.join(dest, path))
+        if text is None:
+            continue
+        lines = text.splitlines(keepends=True)
+        for template in _templates(os.path.join(dest, path), collection):
+            name = template.node.name
+            if len(re.findall(rf"\b{re.escape(name)}\b", text)) != 1:
+                continue  # named elsewhere too (a call, a decorator): renaming would break it
+            sites = tuple(mutation_sites(template.node, lines))
+            if not sites:
+                continue
+            segment = "".join(lines[_first_line(template.node) - 1:template.node.end_lineno])
+            node_id = _node_id(path, template, name)
+            rank = (0 if node_id in preferred else 1) + (2 if segment in seen.get(path, "") else 0)
+            candidates.append(_Candidate(path, template, sites, rank))
+    rng.shuffle(candidates)
+    candidates.sort(key=lambda c: c.rank)
+    copies = _allocate(candidates, count)
+    planted: list[Sentinel] = []
+    renamed: dict[str, str] = {}
+    for path in dict.fromkeys(c.path for c in candidates if copies.get(c.node_id)):
+        chosen = [c for c in candidates if c.path == path and copies.get(c.node_id)]
+        _plant_groups(dest, path, chosen, copies, rng, collection, planted, renamed)
+    return Planted(tuple(planted), renamed)
+
+
+def _allocate(candidates: list[_Candidate], count: int) -> dict[str, int]:
+    """Copies per template, one round at a time in candidate order."""
+    copies: dict[str, int] = {}
+    total = 0
+    while total < count:
+        grew = False
+        for c in candidates:
+            if total < count and copies.get(c.node_id, 0) < max(s.capacity() for s in c.sites):
+                copies[c.node_id] = copies.get(c.node_id, 0) + 1
+                total += 1
+                grew = True
+        if not grew:
+            break
+    return copies
+
+
+def _first_line(node: ast.FunctionDef) -> int:
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
+
+
+def _plant_groups(dest: str, path: str, chosen: list[_Candidate], copies: Mapping[str, int],
+                  rng: random.Random, collection: Collection, planted: list[Sentinel],
+                  renamed: dict[str, str]) -> None:
+    full = os.path.join(dest, path)
+    text = _read(full)
+    assert text is not None
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(("\n", "\r")):
+        lines[-1] += "\n"
+    taken = _taken_names(text)
+    # From the bottom up, so the line numbers of the groups above stay valid.
+    for c in sorted(chosen, key=lambda c: -c.template.node.lineno):
+        group = _group_source(lines, c, copies[c.node_id], taken, rng, collection)
+        if group is None:
+            continue
+        source, names, original_at = group
+        first, end = _first_line(c.template.node), c.template.node.end_lineno or 0
+        lines[first - 1:end] = [source]
+        for i, name in enumerate(names):
+            node_id = _node_id(path, c.template, name)
+            if i == original_at:
+                renamed[node_id] = c.node_id
+            else:
+                planted.append(Sentinel(node_id, c.node_id, MUTATION))
+    with open(full, "w", encoding="utf-8") as f:
+        f.write("".join(lines))
+
+
+def _group_source(lines: list[str], c: _Candidate, k: int, taken: set[str],
+                  rng: random.Random, collection: Collection
+                  ) -> tuple[str, list[str], int] | None:
+    """The template and its k copies as source, their names, and which one is the
+    template; None where no site gives k distinct values or no names were found."""
+    sites = [s for s in c.sites if s.capacity() >= k]
+    rng.shuffle(sites)
+    made = next(((s, v) for s, v in ((s, variants(s, k, rng)) for s in sites)
+                 if v is not None), None)
+    if made is None:
+        return None
+    site, (texts, original_at) = made
+    collected = _collected_names(c.template.cls, collection)
+    names = []
+    for _ in texts:
+        name = _fresh_name(c.template, taken, rng, collected)
+        if name is None:
+            return None
+        taken.add(name)
+        names.append(name)
+    node = c.template.node
+    first, end = _first_line(node), node.end_lineno or node.lineno
+    members = []
+    for name, literal in zip(names, texts):
+        body = list(lines[first - 1:end])
+        at = node.lineno - first
+        body[at] = re.sub(rf"\bdef\s+{re.escape(node.name)}\b", f"def {name}", body[at],
+                          count=1)
+        body[site.line - first] = replace_literal(body[site.line - first], site, literal)
+        members.append("".join(body))
+    gap = "\n" if c.template.cls is not None else "\n\n"
+    return gap.join(members), names, original_at
