@@ -14,6 +14,7 @@ the runner, or pre-planting files where the hidden tests go has no effect on gra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -28,6 +29,7 @@ from envs.types import HIDDEN_TESTS_DIR, Task
 from reward.grading import boot as boot_module
 from reward.grading import driver as driver_module
 from reward.grading import recorder as recorder_module
+from reward.grading.import_graph import support_modules, trusted_test_files
 from reward.grading.patch import patched_files, patched_paths
 from reward.grading.runner_config import (STARTUP_NAMES, SourceConfig, find_source_config,
                                   pytest_config_names, render_grader_config, shadow_names,
@@ -67,13 +69,16 @@ class ProtectionRules:
     patched: frozenset[str]  # files the test patch touches
     import_roots: tuple[str, ...] = ("",)  # workspace folders on sys.path in the test run
     source_modules: frozenset[str] = frozenset()  # top-level modules the source defines there
+    # Test helpers beside the code that the trusted tests import (reward.grading.import_graph)
+    support: frozenset[str] = frozenset()
 
     def is_test_path(self, path: str) -> bool:
         """Tests, their helpers and data, and the folders of the visible and hidden tests
         and of the grader."""
         *folders, name = path.split("/")
-        if path in self.patched or (folders and folders[0] in (
-                GRADER_DIR, HIDDEN_TESTS_DIR, self.visible_tests_dir)):
+        if path in self.patched or path in self.support:
+            return True
+        if folders and folders[0] in (GRADER_DIR, HIDDEN_TESTS_DIR, self.visible_tests_dir):
             return True
         if any(f in TEST_DIR_NAMES for f in folders):
             return True
@@ -98,9 +103,12 @@ class ProtectionRules:
 def build_rules(task: Task, visible_tests_dir: str,
                 source_config: SourceConfig | None) -> ProtectionRules:
     roots = tuple(dict.fromkeys(("", *(source_config.pythonpath_dirs if source_config else ()))))
-    return ProtectionRules(visible_tests_dir=visible_tests_dir.strip("/"),
-                           patched=patched_paths(task.test_patch), import_roots=roots,
-                           source_modules=source_module_names(task.source_dir, roots))
+    rules = ProtectionRules(visible_tests_dir=visible_tests_dir.strip("/"),
+                            patched=patched_paths(task.test_patch), import_roots=roots,
+                            source_modules=source_module_names(task.source_dir, roots))
+    support = support_modules(task.source_dir, trusted_test_files(task), roots,
+                              rules.is_test_path)
+    return dataclasses.replace(rules, support=support)
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,6 +145,16 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _read_lines(path: str) -> tuple[str, list[str]]:
+    """A test file's text and its lines, the last one ending in a newline."""
+    text = _read(path)
+    assert text is not None
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(("\n", "\r")):
+        lines[-1] += "\n"
+    return text, lines
+
+
 def _templates(path: str, collection: Collection) -> list[Template]:
     text = _read(path)
     if text is None:
@@ -176,11 +186,7 @@ def _plant_after(dest: str, path: str, template: Template, rng: random.Random,
                  collection: Collection) -> str | None:
     """The sentinel's node id, or None when no collectable name could be made for it."""
     full = os.path.join(dest, path)
-    text = _read(full)
-    assert text is not None
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith(("\n", "\r")):
-        lines[-1] += "\n"
+    text, lines = _read_lines(full)
     name = _fresh_name(template, _taken_names(text), rng,
                        _collected_names(template.cls, collection))
     if name is None:
@@ -386,11 +392,7 @@ def _plant_groups(dest: str, path: str, chosen: list[_Candidate], copies: Mappin
                   rng: random.Random, collection: Collection, planted: list[Sentinel],
                   renamed: dict[str, str]) -> None:
     full = os.path.join(dest, path)
-    text = _read(full)
-    assert text is not None
-    lines = text.splitlines(keepends=True)
-    if lines and not lines[-1].endswith(("\n", "\r")):
-        lines[-1] += "\n"
+    text, lines = _read_lines(full)
     taken = _taken_names(text)
     # From the bottom up, so the line numbers of the groups above stay valid.
     for c in sorted(chosen, key=lambda c: -c.template.node.lineno):
