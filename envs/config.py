@@ -1,5 +1,5 @@
 """The `envs` section of the recipe: tasks, sandboxes and tools. The trainer composes it
-into the one schema (`trainer.config.SluiceConfig`)."""
+into the one schema (`trainer.run.config.SluiceConfig`)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ What belongs to sluice, and how a dead owner is told apart from a live one:
     snapshot tars, engine folders        an owner tag in the name (envs.owner): the pid
       (sluice-snapshot-<tag>-*.tar,       of this pid namespace that made them no longer runs
       sluice-container-engine-<tag>-*)
-    the processes of a private Ray       an owner record written by trainer.pools when it
+    the processes of a private Ray       an owner record written by trainer.run.pools when it
       cluster (raylet, GCS, agents,       started the cluster: the driver it names is gone.
       workers and their children)         Members: processes whose command line names the
                                           session folder, whose stdout/stderr go into it, or
@@ -362,7 +362,7 @@ def _remove(path: str, remove: Callable[[str], object], removed: list[str],
 
 def record_ray_session(session_dir: str, state_dir: str | Path | None = None) -> Path:
     """Note that this process started the private Ray cluster of `session_dir` (called by
-    trainer.pools right after ray.init); the reaper stops its processes once this process
+    trainer.run.pools right after ray.init); the reaper stops its processes once this process
     is gone. Returns the record, which `forget_ray_session` deletes at a clean exit."""
     folder = Path(state_dir) if state_dir else default_state_dir()
     folder.mkdir(parents=True, exist_ok=True)

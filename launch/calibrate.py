@@ -45,7 +45,7 @@ from launch.sim.sandbox_model import SandboxPoolModel
 from launch.sim.sides import SimSandboxes
 from rollout.engine import EngineStats, Sampling
 from rollout.router import EngineClient, Router
-from trainer.model_check import DecoderShape
+from trainer.run.model_check import DecoderShape
 
 if TYPE_CHECKING:
     from rollout.engine import VLLMEngine
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     report = asyncio.run(calibrate(str(ensure_tiny_model()), in_flight, kv_blocks, base, sandbox))
     print(json.dumps(dataclasses.asdict(report), indent=2) if as_json else format_calibration(report))

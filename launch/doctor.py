@@ -1,7 +1,7 @@
 """`python -m launch.doctor recipe=NAME.yaml [section.key=value ...] [--address ADDR]`:
 checks a running Ray cluster against a recipe before a run, and prints what is missing.
 
-    resources   every pool of the recipe (trainer.pools.plan_pools) packed onto the live
+    resources   every pool of the recipe (trainer.run.pools.plan_pools) packed onto the live
                 nodes at once, bundle by bundle: a pool whose bundles do not fit is named
                 with the count that does not and what one bundle needs
     sandbox     on every node offering cluster.sandbox_resource: the sandbox backend works
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import SluiceConfig
-from trainer.pools import PoolSpec, plan_pools
+from trainer.run.config import SluiceConfig
+from trainer.run.pools import PoolSpec, plan_pools
 
 MAX_IMAGES = 200  # distinct task images probed per node
 MAX_SOURCE_DIRS = 50  # task source folders probed per sandbox node
@@ -69,7 +69,7 @@ class Check:
 
 def check_pool_resources(pools: Sequence[PoolSpec], nodes: Sequence[Node]) -> list[Check]:
     """Place every bundle of every pool onto the nodes' totals, pool after pool in the order
-    trainer.pools.build_pools places them, each bundle on the first node it fits: what a
+    trainer.run.pools.build_pools places them, each bundle on the first node it fits: what a
     run's placement groups need together. One Check per pool."""
     free = [dict(n.resources) for n in nodes]
     placed: dict[str, int] = {p.name: 0 for p in pools}
@@ -392,7 +392,7 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.recipe import load_config
+    from trainer.run.recipe import load_config
 
     try:
         recipe, overrides, address = parse_argv(sys.argv[1:] if argv is None else argv)

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout.rope import text_config
-from trainer.config import SluiceConfig, iter_fields
-from trainer.model_check import MOE_KEYS, DecoderShape
-from trainer.recipe import load_config
+from trainer.run.config import SluiceConfig, iter_fields
+from trainer.run.model_check import MOE_KEYS, DecoderShape
+from trainer.run.recipe import load_config
 
 USAGE = """usage: python -m launch.plan recipe=NAME.yaml [section.key=value ...] [--json]
 
@@ -152,7 +152,7 @@ def compute_account(p: PlanInputs) -> PlanAccount:
 def read_model_config(model_path: str) -> tuple[dict[str, Any] | None, str]:
     """The model's config.json as data (None when absent) and where it came from."""
     if model_path == "tiny":
-        from trainer.tiny_model import MARKUP_TOKENS, MODEL_SHAPE, VOCAB_SIZE
+        from trainer.run.tiny_model import MARKUP_TOKENS, MODEL_SHAPE, VOCAB_SIZE
 
         return (dict(MODEL_SHAPE, vocab_size=VOCAB_SIZE + len(MARKUP_TOKENS),
                      tie_word_embeddings=False, model_type="qwen2"), "the tiny model's shape")

@@ -1,5 +1,5 @@
 """The quickstart's warm start (`model.warm_start: toy_demonstrations`): a short supervised
-pass (trainer.sft) on synthetic demonstrations of the toy arithmetic tasks; the result is
+pass (trainer.train.sft) on synthetic demonstrations of the toy arithmetic tasks; the result is
 cached under the cache root. It lives with the quickstart, not in the trainer core: the
 trainer only calls whatever `model.warm_start` names.
 
@@ -35,10 +35,10 @@ from envs.sandbox.base import ExecResult
 from envs.tasks.toy import PROMPT, build_toy_arithmetic, build_toy_arithmetic_easy
 from envs.tools.sandbox_tools import PythonTool, render_exec_result
 from envs.types import Message, Task, ToolCall
-from trainer.sft import Demonstration, build_sft_example, demonstrations_key, run_sft
+from trainer.train.sft import Demonstration, build_sft_example, demonstrations_key, run_sft
 
 if TYPE_CHECKING:
-    from trainer.config import SluiceConfig
+    from trainer.run.config import SluiceConfig
 
 log = logging.getLogger(__name__)
 

@@ -165,7 +165,7 @@ def build_header(run: RunData) -> list[tuple[str, str]]:
     info, cfg = _run_info(run), run.config
     recipe = info.get("recipe")
     if not recipe:
-        match = re.match(r"(.+)-\d{8}-\d{6}$", run.name)  # trainer.system's default run name
+        match = re.match(r"(.+)-\d{8}-\d{6}$", run.name)  # trainer.run.system's default run name
         recipe = f"{match.group(1)}.yaml (from the folder name)" if match else "?"
     shape = ", ".join(f"{k.split('.')[-1]}={_get(cfg, k)}" for k in (
         "train.num_steps", "train.group_size", "train.groups_per_step", "buffer.max_staleness",

@@ -3,7 +3,7 @@ simulator trace into typed records, tolerating what a crash or a careless edit l
 behind: a torn last line, a row that is not JSON, an event without a field. Bad rows are
 skipped and described in `RunData.problems`, so the report renders what is left.
 
-Event schema (trainer.metrics.EventSink writes it; launch.simulate --trace writes the same):
+Event schema (trainer.run.metrics.EventSink writes it; launch.simulate --trace writes the same):
 
     {"kind": "turn", "step", "traj", "task", "turn", "engine", "version", "t0", "queue_s",
      "generate_s", "tool_s", "tool_calls", "tool_errors", "tokens", "end" (last turn only)}
@@ -316,7 +316,7 @@ def load_trace(path: Path) -> RunData:
     if not len(events):
         raise ValueError(f"--trace {path}: no turn, push or step events in it "
                          f"({'; '.join(problems[:3]) or 'empty file'}); a trace uses the schema "
-                         "of events.jsonl (trainer.metrics.EventSink, this module's docstring)")
+                         "of events.jsonl (trainer.run.metrics.EventSink, this module's docstring)")
     return RunData(path.stem, path, {}, [], events, problems, {path.name: path.stat().st_size})
 
 

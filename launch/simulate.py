@@ -36,8 +36,8 @@ from launch.sim.engine_model import EngineModel, build_engine_spec
 from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel, hang_prob_for
 from launch.sim.sides import SimRollout, SimSandboxes, SimTrainer, TrajectoryProfile
 from launch.sim.trainer_model import TrainerModel
-from trainer.config import SluiceConfig
-from trainer.recipe import load_config
+from trainer.run.config import SluiceConfig
+from trainer.run.recipe import load_config
 
 USAGE = __doc__.split("\n\n")[0]
 
@@ -120,8 +120,8 @@ async def simulate(cfg: SluiceConfig, opts: SimOptions,
     """One simulated run of `opts.steps` steps; the report and the per-turn trace. With
     `events_path`, the controller also writes the run report's events.jsonl schema there
     (virtual-clock timestamps), which `python -m launch.report --trace` draws."""
-    from trainer.controller import Controller  # deferred: torch
-    from trainer.metrics import EventSink, MetricsLogger
+    from trainer.run.controller import Controller  # deferred: torch
+    from trainer.run.metrics import EventSink, MetricsLogger
 
     plan = build_plan(cfg)
     p = plan.inputs

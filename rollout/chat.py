@@ -90,7 +90,7 @@ _CHATML = ("<|im_end|>",)
 _QWEN3_DETECT = ("<|im_start|>", "<tool_call>", "reasoning_content")
 FAMILIES: dict[str, ChatFamily] = {f.name: f for f in (
     ChatFamily("tiny", _CHATML, "none", "hermes", None,
-               "the tiny test model (trainer.tiny_model): ChatML with Hermes tools",
+               "the tiny test model (trainer.run.tiny_model): ChatML with Hermes tools",
                ("<|im_start|>", "Call a tool by writing <tool_call>")),
     ChatFamily("chatml", _CHATML, "none", None, None,
                "plain ChatML without tools (vLLM's template_chatml)", ("<|im_start|>",)),

@@ -1,5 +1,7 @@
 """The `rollout` and `agent` sections of the recipe: engines, router, agent workers and
-the per-trajectory budgets. The trainer composes them into the one schema."""
+the per-trajectory budgets, and the `reward` section of the reward loop those workers run
+(`reward.config`, composed here: the schema reaches it through rollout). The trainer
+composes them into the one schema."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from typing import Literal, Protocol
 from envs.config import EnvsConfig
 from envs.knobs import knob
 from reward.config import RewardConfig
+
+__all__ = ["AgentConfig", "RewardConfig", "RolloutConfig", "RolloutRecipe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +99,7 @@ class _TrainView(Protocol):
 
 class RolloutRecipe(Protocol):
     """What the rollout side reads of a recipe. The trainer composes the whole schema
-    (`trainer.config.SluiceConfig`), which has this shape; rollout code is typed against
+    (`trainer.run.config.SluiceConfig`), which has this shape; rollout code is typed against
     this view so that the import edge points down only."""
 
     @property

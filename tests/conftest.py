@@ -22,6 +22,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     """The cached tiny model (built on first use)."""
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()

@@ -1,9 +1,9 @@
 """Entry point: `python -m trainer.main recipe=NAME.yaml [section.key=value ...] [--dry-run]`.
 
 Reads the recipe, checks it against the schema before anything heavy starts, prints the
-resolved config and the resource-pool plan, validates what it names (trainer.validate:
+resolved config and the resource-pool plan, validates what it names (trainer.run.validate:
 plug-ins, task rows, tools, model; every problem listed, exit 2), then (without
---dry-run) builds the system and trains (trainer.system, trainer.controller).
+--dry-run) builds the system and trains (trainer.run.system, trainer.run.controller).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import logging
 import sys
 from pathlib import Path
 
-from trainer.config import SluiceConfig, iter_fields
-from trainer.model_check import check_models, format_model_report
-from trainer.pools import format_pool_plan, plan_pools
-from trainer.recipe import load_config
+from trainer.run.config import SluiceConfig, iter_fields
+from trainer.run.model_check import check_models, format_model_report
+from trainer.run.pools import format_pool_plan, plan_pools
+from trainer.run.recipe import load_config
 
 USAGE = """usage: python -m trainer.main recipe=NAME.yaml [section.key=value ...] [--dry-run]
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print("resource pools:\n" + format_pool_plan(pools))
     models = check_models(cfg)  # context vs positions, TP vs heads, memory per rank and engine
     print(format_model_report(models))
-    from trainer.validate import format_problems, validate_run
+    from trainer.run.validate import format_problems, validate_run
 
     # plug-ins, task rows, tools, model: before anything starts
     problems = models.problems + validate_run(cfg)
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import asyncio
 
-    from trainer.controller import RepeatedFailureError
-    from trainer.system import run  # Ray, vLLM, DeepSpeed from here on
+    from trainer.run.controller import RepeatedFailureError
+    from trainer.run.system import run  # Ray, vLLM, DeepSpeed from here on
 
     try:
         summary, run_dir = asyncio.run(run(cfg, Path(recipe or "run").stem))

@@ -1,6 +1,6 @@
 """The `plan` section of the recipe: the workload profile and hardware figures the capacity
 planner (`python -m launch.plan`) turns into the seed's section-7 accounts. The schema is
-composed in `trainer.config`; the planner itself lives in `launch.plan`.
+composed in `trainer.run.config`; the planner itself lives in `launch.plan`.
 
 Defaults are the seed article's workload (SWE-style coding tasks: ~400 generated tokens in
 ~10 s, a ~30 s test run returning ~1,600 tokens, per turn; a 30-minute step on H100s).

@@ -38,7 +38,7 @@ from launch.sim.sandbox_model import ExecTimeModel
 from launch.sim.sides import SimSandboxes
 from rollout.engine import EngineStats, FinishReason, Sampling
 from rollout.worker import AgentLoopWorker, WorkerStats
-from trainer.config import SluiceConfig
+from trainer.run.config import SluiceConfig
 
 ANSWER = "42"
 TOOL_CALL = '<tool_call>{"name": "bash", "arguments": {"command": "pytest -q"}}</tool_call>'
@@ -200,7 +200,7 @@ def build_agent_rollout(cfg: SluiceConfig, spec: EngineSpec, sandboxes: SimSandb
     chat family and tool parser, the built-in tools, ExactMatch rewards) on the tiny
     model's tokenizer, over simulated engines and sandboxes; and tasks for it."""
     from rollout.worker import build_agent_worker
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     p = cfg.plan
     turns = p.turns or cfg.agent.max_turns

@@ -1,4 +1,4 @@
-"""The controller's two seams (trainer.seams), simulated: `SimRollout` runs each group's G
+"""The controller's two seams (trainer.run.seams), simulated: `SimRollout` runs each group's G
 trajectories as coroutines through the real `Router` and `TurnGate` against simulated
 engines and sandboxes; `SimTrainer` takes the trainer model's time per step and per push
 and makes the engines adopt the new version (dropping their prefix caches).
@@ -30,7 +30,7 @@ from rollout.engine import EngineStats, Sampling
 from rollout.gate import TurnGate
 from rollout.router import Router
 from rollout.worker import WorkerStats
-from trainer.seams import PushOutcome, TrainOutcome
+from trainer.train.outcomes import PushOutcome, TrainOutcome
 
 
 @dataclass(frozen=True, slots=True)

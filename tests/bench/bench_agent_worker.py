@@ -25,7 +25,7 @@ import numpy as np
 from envs.trajectory_env import EnvBuilder
 from reward.loop import RewardLoop
 from envs.tools.base import ToolResult, function_schema
-from trainer.tiny_model import ensure_tiny_model
+from trainer.run.tiny_model import ensure_tiny_model
 from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
 from rollout.engine import TokenOutput

@@ -222,7 +222,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
     chat = build_continuity_builder(tokenizer, "tiny", reasoning_parser="none")

@@ -7,7 +7,7 @@ by hand:
 One packed row of T positions: hidden states [T, H] (requiring grad, as the decoder's
 output does in training) go through an LM head of a 150k vocabulary, then logprobs of the
 targets and the entropy are computed and backpropagated (the training pass), or computed
-under no_grad (the proximal pass). `chunked` is trainer.backends.logprobs with
+under no_grad (the proximal pass). `chunked` is trainer.train.backends.logprobs with
 train.logprob_chunk_tokens = --chunk; `full` materialises the [T, V] fp32 logits, as the
 trainer did before (and does with logprob_chunk_tokens=0). The hidden size is small on
 purpose: the decoder's own activations are not what this measures.
@@ -53,7 +53,7 @@ def run_case(mode: str, num_tokens: int, vocab: int, hidden: int, chunk: int, gr
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from trainer.backends.logprobs import compute_chunked_logprobs, compute_logprobs_from_logits
+    from trainer.train.backends.logprobs import compute_chunked_logprobs, compute_logprobs_from_logits
 
     torch.manual_seed(0)
     head = torch.nn.Linear(hidden, vocab, bias=False)

@@ -63,9 +63,9 @@ async def main_async(args: argparse.Namespace) -> None:
     from rollout.engine import EngineSpec
     from rollout.engine_actor import start_engines
     from rollout.router import Router
-    from trainer.recipe import load_config
-    from trainer.train_actor import RayTrainer, TrainGroup
-    from trainer.weight_sync import push_weights
+    from trainer.run.recipe import load_config
+    from trainer.train.train_actor import RayTrainer, TrainGroup
+    from trainer.train.weight_sync import push_weights
 
     folder = tempfile.mkdtemp(prefix="push-driver-")
     rows: dict[str, list[tuple[float, float, float]]] = {"driver": [], "rank0": []}

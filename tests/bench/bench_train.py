@@ -87,8 +87,8 @@ class BenchRow:
 def bench(backend_name: str, zero_stage: int, micro_batch_tokens: int,
           batch: list[Trajectory], num_steps: int, model_path: Path,
           gradient_checkpointing: bool = False, attn: str | None = None) -> BenchRow:
-    from trainer.backends import build_backend
-    from trainer.config import LossConfig, TrainConfig
+    from trainer.train.backends import build_backend
+    from trainer.train.config import LossConfig, TrainConfig
 
     cfg = TrainConfig(backend=backend_name, zero_stage=zero_stage, lr=1e-5,
                       micro_batch_tokens=micro_batch_tokens, num_minibatches=1,
@@ -138,7 +138,7 @@ def main() -> None:
                                                       / "torch_extensions"))
     import torch
 
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

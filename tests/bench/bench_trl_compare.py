@@ -69,9 +69,9 @@ def with_initial_logprobs(batch: list[Trajectory], model_path: Path) -> list[Tra
     each side is exactly on-policy (ratio 1, behaviour weight 1) and comparable."""
     import torch
 
-    from trainer.backends.packing import build_micro_batches, unpack_responses
-    from trainer.backends.torch_backend import TorchBackend
-    from trainer.config import TrainConfig
+    from trainer.train.backends.packing import build_micro_batches, unpack_responses
+    from trainer.train.backends.torch_backend import TorchBackend
+    from trainer.train.config import TrainConfig
 
     backend = TorchBackend(TrainConfig(backend="torch"), model_path)
     packed = build_micro_batches(batch, torch.zeros(len(batch)), MICRO_BATCH_TOKENS)
@@ -88,8 +88,8 @@ class SluiceSide:
 
     def __init__(self, backend_name: str, zero_stage: int, model_path: Path,
                  batch: list[Trajectory], advantages_B: np.ndarray) -> None:
-        from trainer.backends import build_backend
-        from trainer.config import LossConfig, TrainConfig
+        from trainer.train.backends import build_backend
+        from trainer.train.config import LossConfig, TrainConfig
 
         cfg = TrainConfig(backend=backend_name, zero_stage=zero_stage, lr=LR,
                           micro_batch_tokens=MICRO_BATCH_TOKENS, num_minibatches=1,
@@ -263,7 +263,7 @@ def main() -> None:
     import trl
     from transformers.utils import logging as hf_logging
 
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     hf_logging.disable_progress_bar()
     if args.threads:

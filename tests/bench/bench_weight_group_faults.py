@@ -49,7 +49,7 @@ class Pushes:
             self.transport = nccl.BroadcastTransport(sender, timeout_s=timeout_s)
 
     async def push(self, state, version: int):
-        from trainer.weight_sync import push_weights
+        from trainer.train.weight_sync import push_weights
 
         self.state = state
         if self.old_api:

@@ -2,7 +2,7 @@
 
 Builds a random Qwen2 model of the requested size locally (no downloads), starts one real
 vLLM engine actor on it, and pushes the full state dict several times through
-trainer.weight_sync.push_weights (encode + Ray transfer + in-place reload + checksum
+trainer.train.weight_sync.push_weights (encode + Ray transfer + in-place reload + checksum
 verification). Prints a table; asserts nothing about time.
 
     .venv/bin/python tests/bench/bench_weight_push.py [--hidden 512 --layers 8] [--pushes 5]
@@ -23,7 +23,7 @@ def build_model(hidden: int, layers: int, out: str) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from trainer.tiny_model import build_tokenizer
+    from trainer.run.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden,
@@ -44,7 +44,7 @@ async def main_async(args: argparse.Namespace) -> None:
     from rollout.engine import EngineSpec
     from rollout.engine_actor import start_engines
     from rollout.router import Router
-    from trainer.weight_sync import encode_state, push_weights
+    from trainer.train.weight_sync import encode_state, push_weights
 
     folder = tempfile.mkdtemp(prefix="push-bench-")
     try:

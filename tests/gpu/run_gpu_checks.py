@@ -16,7 +16,7 @@ and no network (under 10 minutes on an H100/H200):
    a small Qwen3-shaped model saved to a temporary folder: finite loss and gradient norm.
 
 Imports only the standard library, torch, transformers (and flash-attn / deepspeed when
-present) and the sluice modules those need (trainer.backends). Prints a report and writes
+present) and the sluice modules those need (trainer.train.backends). Prints a report and writes
 it as JSON with --out; exit status 1 when a check fails. Memory figures are asserted only
 as "the chunked path fits and grows linearly"; timings are printed, never asserted.
 """
@@ -57,7 +57,7 @@ def build_model(shape: dict, num_layers: int, dtype: torch.dtype, device: str, a
                 checkpointing: bool) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from trainer.backends.logprobs import register_packed_sdpa
+    from trainer.train.backends.logprobs import register_packed_sdpa
 
     register_packed_sdpa()
     torch.manual_seed(0)
@@ -90,7 +90,7 @@ def random_trajectories(lengths: list[int], vocab: int, seed: int = 0) -> list:
 
 def random_packed(lengths: list[int], vocab: int, seed: int = 0):
     """The sequences of `random_trajectories` packed into one row."""
-    from trainer.backends.packing import pack_trajectories
+    from trainer.train.backends.packing import pack_trajectories
 
     return pack_trajectories(random_trajectories(lengths, vocab, seed), torch.zeros(len(lengths)))
 
@@ -102,7 +102,7 @@ def _sync(device: str) -> None:
 
 def measure_step(model: torch.nn.Module, packed, device: str, chunk: int) -> dict:
     """Peak memory and time of logprobs + entropy forward and backward on one packed row."""
-    from trainer.backends.logprobs import compute_token_logprobs_and_entropy
+    from trainer.train.backends.logprobs import compute_token_logprobs_and_entropy
 
     model.zero_grad(set_to_none=True)
     if device == "cuda":
@@ -179,8 +179,8 @@ def _fmt(cell: dict) -> str:
 
 @torch.no_grad()
 def check_packed_parity(args, report: dict) -> None:
-    from trainer.backends.logprobs import compute_token_logprobs_and_entropy
-    from trainer.backends.packing import pack_trajectories
+    from trainer.train.backends.logprobs import compute_token_logprobs_and_entropy
+    from trainer.train.backends.packing import pack_trajectories
 
     shape = TINY if args.tiny else QWEN3_8B
     attns = ["sluice_packed_sdpa"]
@@ -222,8 +222,8 @@ def check_deepspeed(args, report: dict) -> None:
         return
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from trainer.backends.deepspeed_backend import DeepSpeedBackend
-    from trainer.config import LossConfig, TrainConfig
+    from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
+    from trainer.train.config import LossConfig, TrainConfig
 
     with tempfile.TemporaryDirectory() as folder:
         shape = dict(TINY, hidden_size=512, intermediate_size=1024, num_attention_heads=8,

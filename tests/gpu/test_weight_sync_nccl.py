@@ -14,8 +14,8 @@ import torch
 
 from rollout.engine import EngineSpec, Sampling, VLLMEngine
 from rollout.router import Router
-from trainer.weight_sync import WeightSyncError, verify_engines
-from trainer.weight_sync_nccl import BroadcastTransport, LocalSender
+from trainer.train.weight_sync import WeightSyncError, verify_engines
+from trainer.train.weight_sync_nccl import BroadcastTransport, LocalSender
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(torch.cuda.device_count() < 2,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.config import SluiceConfig
-from trainer.recipe import load_config
+from trainer.run.config import SluiceConfig
+from trainer.run.recipe import load_config
 
 
 def quickstart_config(tmp_path: Path, name: str, *overrides: str) -> SluiceConfig:

@@ -61,8 +61,8 @@ async def sandbox_state(backend: str, root: str, lease_dir: str, first_uid: int)
 def ray_state() -> dict:
     import ray
 
-    from trainer.pools import connect_cluster
-    from trainer.recipe import load_config
+    from trainer.run.pools import connect_cluster
+    from trainer.run.recipe import load_config
 
     connect_cluster(load_config(None, ["model.path=tiny", "cluster.local_num_cpus=1"]))
 

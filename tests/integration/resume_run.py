@@ -17,13 +17,13 @@ import signal
 import numpy as np
 import torch
 
-from trainer.tiny_model import ensure_tiny_model
+from trainer.run.tiny_model import ensure_tiny_model
 from envs.types import NO_VERSION, Trajectory
-from trainer.backends.deepspeed_backend import DeepSpeedBackend
+from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
 from buffer.replay_buffer import BufferState
-from trainer.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config import LossConfig, TrainConfig
-from trainer.controller import ControllerState
+from trainer.run.checkpoint import RunState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.train.config import LossConfig, TrainConfig
+from trainer.run.controller import ControllerState
 
 GROUPS_PER_STEP = 2
 

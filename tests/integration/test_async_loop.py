@@ -31,7 +31,7 @@ RL_RECIPE = ("train.group_size=8", "train.groups_per_step=4")  # the quickstart'
 
 
 def test_short_async_run_keeps_every_invariant_and_raises_reward(tmp_path):
-    from trainer.system import run
+    from trainer.run.system import run
 
     cfg = quickstart_config(tmp_path, "short", f"train.num_steps={NUM_STEPS}", *RL_RECIPE,
                             "agent.continuity_check=true", "checkpoint.every_steps=10",

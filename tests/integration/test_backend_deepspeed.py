@@ -25,12 +25,12 @@ import pytest
 import torch
 
 from envs.types import Trajectory
-from trainer.backends.logprobs import build_block_causal_mask, compute_token_logprobs_and_entropy
-from trainer.backends.packing import (build_micro_batches, pack_trajectories, unpack_responses,
+from trainer.train.backends.logprobs import build_block_causal_mask, compute_token_logprobs_and_entropy
+from trainer.train.backends.packing import (build_micro_batches, pack_trajectories, unpack_responses,
                                       unpack_sequences)
-from trainer.backends.policy_model import build_policy_model
-from trainer.config import LossConfig, TrainConfig
-from trainer.weight_sync_nccl import specs_of
+from trainer.train.backends.policy_model import build_policy_model
+from trainer.train.config import LossConfig, TrainConfig
+from trainer.train.weight_sync_nccl import specs_of
 
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run Python code and return its output.",
@@ -109,7 +109,7 @@ def with_behaviour(backend, trajectories, offset_fn=None) -> list[Trajectory]:
 
 
 def make_backend(tiny_model_path, **train):
-    from trainer.backends.deepspeed_backend import DeepSpeedBackend
+    from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
 
     base = dict(lr=LR, micro_batch_tokens=256, num_minibatches=2, max_grad_norm=1.0)
     base.update(train)
@@ -235,7 +235,7 @@ def test_gradient_accumulation_equals_one_micro_batch(tiny_model_path, trajector
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_zero_stage_trains_like_plain_torch_adamw(tiny_model_path, trajectories, stage):
     """Same AdamW hyper-parameters, clipping (active: norms exceed 1) and weight decay."""
-    from trainer.backends.torch_backend import TorchBackend
+    from trainer.train.backends.torch_backend import TorchBackend
 
     ds = make_backend(tiny_model_path, zero_stage=stage, weight_decay=0.1)
     plain = TorchBackend(TrainConfig(lr=LR, micro_batch_tokens=256, num_minibatches=2,
@@ -290,8 +290,8 @@ TWO_RANK_TRAIN = dict(lr=LR, micro_batch_tokens=300, num_minibatches=1)
 
 def run_two_rank_worker(out_dir: Path) -> None:
     """Body of each rank under `torchrun --nproc_per_node 2 THIS_FILE OUT_DIR`."""
-    from trainer.tiny_model import ensure_tiny_model
-    from trainer.backends.deepspeed_backend import DeepSpeedBackend
+    from trainer.run.tiny_model import ensure_tiny_model
+    from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
 
     rank = int(os.environ["RANK"])
     path = ensure_tiny_model()
@@ -310,8 +310,8 @@ def run_two_rank_worker(out_dir: Path) -> None:
 
 def test_two_ranks_with_uneven_shards_train_like_one_process(tiny_model_path, trajectories,
                                                             tmp_path):
-    from trainer.backends.deepspeed_backend import find_free_port
-    from trainer.backends.torch_backend import TorchBackend
+    from trainer.train.backends.deepspeed_backend import find_free_port
+    from trainer.train.backends.torch_backend import TorchBackend
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")

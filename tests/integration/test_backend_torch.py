@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from envs.types import Trajectory
-from trainer.backends import build_backend
-from trainer.backends.packing import build_micro_batches, unpack_responses
-from trainer.backends.torch_backend import TorchBackend
-from trainer.config import LossConfig, TrainConfig
+from trainer.train.backends import build_backend
+from trainer.train.backends.packing import build_micro_batches, unpack_responses
+from trainer.train.backends.torch_backend import TorchBackend
+from trainer.train.config import LossConfig, TrainConfig
 
 VOCAB = 512
 

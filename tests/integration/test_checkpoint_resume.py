@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import latest_checkpoint
+from trainer.run.checkpoint import latest_checkpoint
 
 SCRIPT = Path(__file__).with_name("resume_run.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def test_killed_run_resumes_exactly(tmp_path):
 def test_a_half_written_checkpoint_is_ignored(tmp_path):
     from resume_run import fresh_state
 
-    from trainer.checkpoint import save_checkpoint
+    from trainer.run.checkpoint import save_checkpoint
 
     class Backend:
         def save_state(self, folder):

@@ -12,12 +12,12 @@ import pytest
 from test_backend_deepspeed import (LR, deepspeed_env, make_backend, trajectories,  # noqa: F401
                                     with_behaviour)
 
-from trainer.config import LossConfig, TrainConfig
+from trainer.train.config import LossConfig, TrainConfig
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_chunked_zero_trains_like_unchunked_plain_torch(tiny_model_path, trajectories, stage):
-    from trainer.backends.torch_backend import TorchBackend
+    from trainer.train.backends.torch_backend import TorchBackend
 
     chunked = make_backend(tiny_model_path, zero_stage=stage, logprob_chunk_tokens=16)
     plain = TorchBackend(TrainConfig(lr=LR, micro_batch_tokens=256, num_minibatches=2,

@@ -29,8 +29,8 @@ RAY = str(Path(sys.executable).with_name("ray"))
 PROBE = """
 import json, sys
 import ray
-from trainer.pools import connect_cluster
-from trainer.recipe import load_config
+from trainer.run.pools import connect_cluster
+from trainer.run.recipe import load_config
 cfg = load_config(None, ["model.path=tiny", "cluster.local_num_cpus=2", *sys.argv[1:]])
 connect_cluster(cfg)
 print(json.dumps({"resources": ray.cluster_resources(),
@@ -110,8 +110,8 @@ def _gone_soon(session: str, timeout_s: float = 30.0) -> bool:
 def test_an_address_nothing_answers_at_is_a_clear_error(monkeypatch):
     import ray
 
-    from trainer.pools import ClusterConnectionError, connect_cluster
-    from trainer.recipe import load_config
+    from trainer.run.pools import ClusterConnectionError, connect_cluster
+    from trainer.run.recipe import load_config
 
     port = free_port()  # bound and released: nothing listens there
     cfg = load_config(None, ["model.path=tiny", f"cluster.address=127.0.0.1:{port}"])

@@ -56,7 +56,7 @@ async def test_generate_returns_tokens_logprobs_and_versions(engine, tiny_model_
 async def test_behaviour_logprobs_are_of_the_tempered_distribution(engine, tiny_model_path):
     """What the trainer recomputes (logits / temperature): the engine must report the
     same, not the raw logits' logprobs, or every importance weight is off."""
-    from trainer.backends.logprobs import compute_logprobs_from_logits
+    from trainer.train.backends.logprobs import compute_logprobs_from_logits
 
     out = await engine.generate("temp-1", PROMPT, Sampling(max_new_tokens=40, temperature=0.6,
                                                             seed=5))

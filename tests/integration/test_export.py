@@ -1,4 +1,4 @@
-"""`python -m trainer.export CHECKPOINT OUT` (trainer.export): a checkpoint written by the
+"""`python -m trainer.export CHECKPOINT OUT` (trainer.run.export): a checkpoint written by the
 run's own checkpoint code (torch backend, and DeepSpeed ZeRO-2 in a child process) becomes
 a Hugging Face folder whose logits in transformers equal the trained weights' (not the
 base model's: the weights are changed before saving) and which the real vLLM engine
@@ -28,11 +28,11 @@ DEEPSPEED_CHECKPOINT = textwrap.dedent("""
     from safetensors.torch import save_file
     from buffer.replay_buffer import BufferState
     from envs.types import NO_VERSION, Trajectory
-    from trainer.backends.deepspeed_backend import DeepSpeedBackend
-    from trainer.checkpoint import RunState, save_checkpoint
-    from trainer.config import LossConfig, TrainConfig
-    from trainer.controller import ControllerState
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
+    from trainer.run.checkpoint import RunState, save_checkpoint
+    from trainer.train.config import LossConfig, TrainConfig
+    from trainer.run.controller import ControllerState
+    from trainer.run.tiny_model import ensure_tiny_model
 
     torch.manual_seed(0)
     backend = DeepSpeedBackend(TrainConfig(zero_stage=2, lr=1e-2, micro_batch_tokens=256),
@@ -84,10 +84,10 @@ def torch_checkpoint(tiny_model_path, tmp_path_factory):
     """(checkpoint folder, the weights it holds): a torch-backend checkpoint of the tiny
     model whose weights were moved away from the base model's."""
     from buffer.replay_buffer import BufferState
-    from trainer.backends.torch_backend import TorchBackend
-    from trainer.checkpoint import RunState, save_checkpoint
-    from trainer.config import TrainConfig
-    from trainer.controller import ControllerState
+    from trainer.train.backends.torch_backend import TorchBackend
+    from trainer.run.checkpoint import RunState, save_checkpoint
+    from trainer.train.config import TrainConfig
+    from trainer.run.controller import ControllerState
 
     backend = TorchBackend(TrainConfig(backend="torch"), tiny_model_path, dtype="float32",
                            device="cpu")

@@ -71,7 +71,7 @@ class WorkspaceWiper(threading.Thread):
 
 
 def test_a_killed_engine_and_vanishing_sandboxes_do_not_stop_the_run(tmp_path):
-    from trainer.system import run
+    from trainer.run.system import run
 
     cfg = quickstart_config(tmp_path, "faults", "train.num_steps=4", "rollout.num_engines=2")
     killed: list[int] = []
@@ -101,7 +101,7 @@ def test_a_killed_engine_and_vanishing_sandboxes_do_not_stop_the_run(tmp_path):
 
 
 def test_tool_calls_that_time_out_become_observations(tmp_path):
-    from trainer.system import run
+    from trainer.run.system import run
 
     cfg = quickstart_config(tmp_path, "timeouts", "train.num_steps=2",
                             "agent.tool_timeout_s=0.001")

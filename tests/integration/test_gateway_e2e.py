@@ -263,8 +263,8 @@ class RewritingHarnessInProcesses(RewritingHarness):
 @pytest.mark.parametrize("loop", ["RewritingHarness", "RewritingHarnessInProcesses"])
 async def test_a_rewritten_session_trains_two_exact_segments_under_one_reward(engine, tokenizer, chat, loop):
     """In-process and with 2 gateway processes behind the worker's router: the same."""
-    from trainer.advantages import compute_group_advantages
-    from trainer.config import LossConfig
+    from trainer.train.advantages import compute_group_advantages
+    from trainer.train.config import LossConfig
 
     worker, recording = gateway_worker(engine, tokenizer, chat, f"{__name__}:{loop}")
     task = Task("hi", (Message("system", "Be brief."), Message("user", "Say hi.")), answer="hi")

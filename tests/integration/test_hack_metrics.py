@@ -24,8 +24,8 @@ def test_hacking_attempts_are_counted_in_the_metrics(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if os.geteuid() != 0 or shutil.which("bwrap") is None:
         pytest.skip("the local sandbox backend needs root and bubblewrap")
-    from trainer.recipe import load_config
-    from trainer.system import run
+    from trainer.run.recipe import load_config
+    from trainer.run.system import run
 
     # The run's workers import the scripted policy.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), str(ROOT),

@@ -95,10 +95,10 @@ async def test_start_judge_serves_the_judge_pool_over_ray(tokenizer):
     import ray
 
     from rollout.judge_client import start_judge
-    from trainer.pools import build_pools, plan_pools, release_pools
-    from trainer.recipe import load_config
+    from trainer.run.pools import build_pools, plan_pools, release_pools
+    from trainer.run.recipe import load_config
 
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     judge_path = str(ensure_tiny_model())
     assert await start_judge(load_config("quickstart.yaml"), judge_path, None) is None  # disabled

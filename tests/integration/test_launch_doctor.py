@@ -11,7 +11,7 @@ import json
 import pytest
 
 from launch.doctor import check_sandbox_nodes, format_checks, main, run_doctor
-from trainer.recipe import load_config
+from trainer.run.recipe import load_config
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,8 @@ def cluster(tmp_path, monkeypatch):
 
 def test_workers_and_grading_run_on_sandbox_nodes_and_no_workspace_reaches_the_driver(
         cluster, tmp_path):
-    from trainer.recipe import load_config
-    from trainer.system import run
+    from trainer.run.recipe import load_config
+    from trainer.run.system import run
 
     ray_cluster, gpu_node, sandbox_nodes = cluster
     tasks = tmp_path / "tasks.jsonl"

@@ -15,7 +15,7 @@ import pytest_asyncio
 from envs.tools.sandbox_tools import build_sandbox_tool_settings
 from envs.trajectory_env import EnvBuilder, load_tool_classes
 from envs.types import Message, Task
-from trainer.config import EnvsConfig
+from trainer.run.config import EnvsConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 ENVS = EnvsConfig(num_sandbox_workers=2, cpus_per_sandbox_worker=0.5, sandboxes_per_worker=2,

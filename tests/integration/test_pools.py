@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from trainer.pools import PoolPlacementError, build_pools, connect_cluster, plan_pools, release_pools
-from trainer.recipe import load_config
+from trainer.run.pools import PoolPlacementError, build_pools, connect_cluster, plan_pools, release_pools
+from trainer.run.recipe import load_config
 
 # A miniature of the cluster layout: 4 logical GPUs, 1 node offering sandbox slots.
 GPU_RECIPE = ["cluster.device=cuda", "cluster.local_num_cpus=8", "cluster.local_num_gpus=4",

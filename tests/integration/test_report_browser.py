@@ -83,12 +83,12 @@ def test_report_of_the_recorded_run_and_a_trace_renders_every_plot(tmp_path):
 
 @needs_chromium
 def test_report_of_a_short_real_run_joins_its_events_and_renders(tmp_path):
-    import trainer.system
+    import trainer.run.system
     from quickstart_run import quickstart_config
 
     cfg = quickstart_config(tmp_path, "report", "train.num_steps=2", "model.warm_start=null",
                             "train.backend=torch")
-    summary, run_dir = asyncio.run(trainer.system.run(cfg, "quickstart"))
+    summary, run_dir = asyncio.run(trainer.run.system.run(cfg, "quickstart"))
     assert summary.steps == 2
     run = load_run(run_dir)
     assert run.problems == [] and len(run.metrics) == 2
@@ -114,7 +114,7 @@ def test_report_figures_and_tables_reach_the_runs_offline_wandb_run(tmp_path, ca
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     config["logging"]["wandb_mode"] = "offline"  # the recorded run had wandb off
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
-    (run_dir / "wandb_run_id").write_text("reporttest1")  # as trainer.metrics.WandbSink does
+    (run_dir / "wandb_run_id").write_text("reporttest1")  # as trainer.run.metrics.WandbSink does
     assert main([str(run_dir), "--wandb"]) == 0  # what `make quickstart` runs
     assert "report/* figures and tables logged (offline, run reporttest1)" in capsys.readouterr().out
     panels = {p.key for p in build_part(load_run(run_dir), ReportOptions()).panels}

@@ -264,7 +264,7 @@ async def test_worker_actor_runs_a_group_from_the_recipe(tiny_model_path):
     from rollout.engine import EngineSpec
     from rollout.engine_actor import start_engines
     from rollout.worker_actor import AgentWorkerActor
-    from trainer.recipe import load_config
+    from trainer.run.recipe import load_config
 
     cfg = load_config("quickstart.yaml", ["agent.max_turns=2", "agent.max_new_tokens_per_turn=16"])
     engines = await start_engines(EngineSpec.from_config(cfg, str(tiny_model_path)), 1)

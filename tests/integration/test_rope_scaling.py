@@ -1,5 +1,5 @@
 """model.rope_scaling against the real libraries: vLLM's own config validation agrees with
-trainer.model_check on a Qwen3-8B-shaped config.json (65,536 tokens refused as the model
+trainer.run.model_check on a Qwen3-8B-shaped config.json (65,536 tokens refused as the model
 ships, accepted with YaRN x2, 65,537 refused again), and a vLLM engine and the trainer's
 transformers model, both given the overrides of rollout.rope, compute the same logprobs on
 the tiny model, which differ from the unscaled model's."""
@@ -16,7 +16,7 @@ from test_engine import PROMPT, _hf_logprobs
 
 from rollout.engine import EngineSpec, Sampling, VLLMEngine
 from rollout.rope import build_rope_overrides, read_config_json
-from trainer.backends.policy_model import build_policy_model
+from trainer.train.backends.policy_model import build_policy_model
 
 YARN_2X = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32768}
 

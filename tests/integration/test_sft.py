@@ -10,7 +10,7 @@ import torch
 from envs.tools.calculator import CalculatorTool
 from rollout.chat import build_continuity_builder, check_continuity
 from envs.types import Message, ToolCall
-from trainer.sft import Demonstration, build_sft_example, compute_sft_loss, run_sft
+from trainer.train.sft import Demonstration, build_sft_example, compute_sft_loss, run_sft
 
 
 def demo(a: int, b: int) -> Demonstration:

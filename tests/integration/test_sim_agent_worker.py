@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from launch.simulate import SimOptions, run_simulation
-from trainer.recipe import load_config
+from trainer.run.recipe import load_config
 
 pytest.importorskip("looptime")
 

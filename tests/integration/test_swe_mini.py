@@ -30,8 +30,8 @@ def test_swe_mini_gold_patch_scores_one(tmp_path, monkeypatch):
 
     skip_without_container_engine()
     from envs.tasks.build_swe_smith import build_tasks
-    from trainer.recipe import load_config
-    from trainer.system import run
+    from trainer.run.recipe import load_config
+    from trainer.run.system import run
 
     rows = build_tasks(str(tmp_path / "set"), "hjson", max_tasks=2, max_tries=30, images=True)
     assert all(r["workdir"] == "/testbed" and r["image_name"] for r in rows)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from trainer.tiny_model import build_tiny_model, ensure_tiny_model
+from trainer.run.tiny_model import build_tiny_model, ensure_tiny_model
 
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run Python code and return its output.",

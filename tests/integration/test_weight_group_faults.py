@@ -31,7 +31,7 @@ from rollout.weight_reload import (
     encode_plan,
     plan_state_buckets,
 )
-from trainer.weight_sync_nccl import WeightSender
+from trainer.train.weight_sync_nccl import WeightSender
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20

@@ -24,10 +24,10 @@ import torch
 
 from rollout.engine import EngineSpec, Sampling
 from rollout.router import Router
-from trainer.recipe import load_config
-from trainer.weight_sync import (WeightSyncError, checksum_names, push_weights, resolve_transport,
+from trainer.run.recipe import load_config
+from trainer.train.weight_sync import (WeightSyncError, checksum_names, push_weights, resolve_transport,
                                  verify_engines)
-from trainer.weight_sync_nccl import BroadcastTransport, LocalSender, specs_of
+from trainer.train.weight_sync_nccl import BroadcastTransport, LocalSender, specs_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = [1, 347, 201, 332, 284, 223, 20, 13, 21, 33, 2, 1, 349, 201]
@@ -162,7 +162,7 @@ TIMEOUT_S = 30.0
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def rank_zero(router, tiny_model_path):
-    from trainer.train_actor import TrainGroup
+    from trainer.train.train_actor import TrainGroup
 
     return TrainGroup(rank_zero_config(tiny_model_path), str(tiny_model_path), None)
 
@@ -197,8 +197,8 @@ async def serving_model(tiny_model_path, state):
 
 async def test_rank_zero_plans_sends_and_verifies_and_the_driver_moves_only_a_version(
         router, rank_zero, tiny_model_path, monkeypatch):
-    from trainer.train_actor import RayTrainer
-    from trainer.weight_sync import build_transport
+    from trainer.train.train_actor import RayTrainer
+    from trainer.train.weight_sync import build_transport
 
     def no_state_on_the_driver(*args, **kwargs):
         raise AssertionError("the broadcast push brought the weights to the driver")
@@ -242,7 +242,7 @@ async def test_an_engine_killed_mid_push_is_dropped_and_the_run_goes_on(
     """Runs last (file order): kills engine-1. Its engine core is stopped first so the
     push is surely under way when it dies: engine-0 and rank 0 are in the group (or
     waiting for engine-1's reply) at the kill."""
-    from trainer.train_actor import RayTrainer
+    from trainer.train.train_actor import RayTrainer
 
     trainer = RayTrainer(rank_zero, router, BroadcastTransport(rank_zero, timeout_s=TIMEOUT_S))
     # Two trajectories in flight between turns, one stuck to each engine.

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.advantages import (broadcast_to_tokens, compute_batch_advantages,
+from trainer.train.advantages import (broadcast_to_tokens, compute_batch_advantages,
                                 compute_grpo_advantages, is_zero_variance)
-from trainer.config import LossConfig
+from trainer.train.config import LossConfig
 
 
 def rewards(*values: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ from rollout.worker import AgentLoopWorker
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     return AutoTokenizer.from_pretrained(ensure_tiny_model())
 

@@ -1,4 +1,4 @@
-"""Chunked logprobs and entropy (trainer.backends.logprobs) equal the unchunked ones in fp32,
+"""Chunked logprobs and entropy (trainer.train.backends.logprobs) equal the unchunked ones in fp32,
 values and gradients, on a bare LM head and through a real (small, random) Qwen2 model over
 a packed row; and the chunked backward never keeps a [T, V] tensor."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from envs.types import Trajectory
-from trainer.backends.logprobs import (compute_chunked_logprobs, compute_logprobs_from_logits,
+from trainer.train.backends.logprobs import (compute_chunked_logprobs, compute_logprobs_from_logits,
                                        compute_token_logprobs_and_entropy, register_packed_sdpa)
-from trainer.backends.packing import pack_trajectories
+from trainer.train.backends.packing import pack_trajectories
 
 TOL = 1e-6
 

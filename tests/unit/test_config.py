@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import SluiceConfig, iter_fields
-from trainer.recipe import ConfigError, build_config, load_config
+from trainer.run.config import SluiceConfig, iter_fields
+from trainer.run.recipe import ConfigError, build_config, load_config
 
 SNAPSHOT = Path(__file__).with_name("config_keys.txt")
 
@@ -119,6 +119,6 @@ def test_key_set_matches_the_snapshot():
     """Every new knob is a reviewed diff: update tests/unit/config_keys.txt with the change."""
     keys = "\n".join(f"{k}: {f.type}" for k, f in iter_fields(SluiceConfig)) + "\n"
     assert keys == SNAPSHOT.read_text(), (
-        "config keys changed; if intended, regenerate with:\n  python -c \"from trainer.config "
+        "config keys changed; if intended, regenerate with:\n  python -c \"from trainer.run.config "
         "import *; print('\\n'.join(f'{k}: {f.type}' for k, f in iter_fields(SluiceConfig)))\" "
         "> tests/unit/config_keys.txt")

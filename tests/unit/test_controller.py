@@ -21,10 +21,10 @@ from envs.types import Group, Message, Task, TerminationReason, Trajectory, Turn
 from rollout.engine import EngineStats
 from rollout.gate import TurnGate
 from rollout.worker import WorkerStats
-from trainer.controller import Controller, ControllerState, RepeatedFailureError
-from trainer.metrics import MetricsLogger
-from trainer.recipe import build_config
-from trainer.seams import PushOutcome, TrainOutcome
+from trainer.run.controller import Controller, ControllerState, RepeatedFailureError
+from trainer.run.metrics import MetricsLogger
+from trainer.run.recipe import build_config
+from trainer.train.outcomes import PushOutcome, TrainOutcome
 
 TASKS = [Task(f"t{i}", (Message("user", f"q{i}"),), answer=str(i)) for i in range(6)]
 

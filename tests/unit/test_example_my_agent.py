@@ -18,8 +18,8 @@ from examples.my_agent.reward import ShopReward
 from examples.my_agent.tools import PRICES, PriceTool
 from reward.base import RewardContext
 from rollout.agent_loop import ToolOutcome
-from trainer.recipe import load_config
-from trainer.validate import validate_run
+from trainer.run.recipe import load_config
+from trainer.run.validate import validate_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "my_agent"

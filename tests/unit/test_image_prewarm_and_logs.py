@@ -113,8 +113,8 @@ def test_runner_tasks_need_command_and_parser_together() -> None:
 
 
 def test_recipe_images_and_the_backend_they_need() -> None:
-    from trainer.config import SluiceConfig
-    from trainer.system import task_images
+    from trainer.run.config import SluiceConfig
+    from trainer.run.system import task_images
 
     local = Task("l", (Message("user", "x"),), source_dir="/s", image="localhost/l")
     cfg = SluiceConfig()

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from launch.doctor import Node, check_pool_resources
-from trainer.pools import plan_pools
-from trainer.recipe import load_config
+from trainer.run.pools import plan_pools
+from trainer.run.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"

@@ -14,7 +14,7 @@ RANK = {"envs": 0, "reward": 1, "rollout": 2, "buffer": 3, "trainer": 4, "launch
 PACKAGES = tuple(RANK)
 HEAVY = {"ray", "vllm", "deepspeed", "wandb"}
 # Thin Ray shells may import ray at top level; list them here as they are added.
-TOP_LEVEL_HEAVY_ALLOWED: set[str] = {"rollout.engine_actor", "rollout.worker_actor", "trainer.train_actor",
+TOP_LEVEL_HEAVY_ALLOWED: set[str] = {"rollout.engine_actor", "rollout.worker_actor", "trainer.train.train_actor",
                                      "envs.pool_actor"}
 
 

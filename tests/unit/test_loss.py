@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from trainer.config import LossConfig
-from trainer.loss import compute_policy_loss, compute_token_aggregate
+from trainer.train.config import LossConfig
+from trainer.train.loss import compute_policy_loss, compute_token_aggregate
 
 LN2 = math.log(2.0)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from trainer.metrics import BusyClock, JsonlSink, MetricsLogger
+from trainer.run.metrics import BusyClock, JsonlSink, MetricsLogger
 
 
 class FailingSink:

@@ -1,4 +1,4 @@
-"""Config-time model checks (trainer.model_check, rollout.rope) on a locally written
+"""Config-time model checks (trainer.run.model_check, rollout.rope) on a locally written
 Qwen3-8B-shaped config.json: context vs positions with and without RoPE scaling, TP vs
 heads, the KV cache vs one full-length sequence, and the memory estimates' numbers."""
 
@@ -10,8 +10,8 @@ import pytest
 from model_configs import QWEN3_8B
 
 from rollout.rope import build_rope_overrides, count_positions
-from trainer.model_check import DecoderShape, check_models, format_model_report
-from trainer.recipe import ConfigError, load_config
+from trainer.run.model_check import DecoderShape, check_models, format_model_report
+from trainer.run.recipe import ConfigError, load_config
 
 YARN_2X = "model.rope_scaling={rope_type: yarn, factor: 2.0, original_max_position_embeddings: 32768}"
 

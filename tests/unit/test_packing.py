@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from envs.types import Trajectory
-from trainer.backends.logprobs import build_block_causal_mask, compute_logprobs_from_logits
-from trainer.backends.packing import (build_micro_batches, pack_trajectories, plan_micro_batches,
+from trainer.train.backends.logprobs import build_block_causal_mask, compute_logprobs_from_logits
+from trainer.train.backends.packing import (build_micro_batches, pack_trajectories, plan_micro_batches,
                                       split_minibatches, unpack_responses, unpack_sequences,
                                       unpack_to_rows)
-from trainer.backends.step import (compute_combined_metrics, compute_micro_batch_weights,
+from trainer.train.backends.step import (compute_combined_metrics, compute_micro_batch_weights,
                                    compute_warmup_factor)
-from trainer.loss import LossMetrics
+from trainer.train.loss import LossMetrics
 
 
 def make_traj(prompt, response, mask, logprobs=None, index=0) -> Trajectory:

@@ -16,7 +16,7 @@ from model_configs import QWEN3_8B
 from launch.plan import (PlanInputs, SandboxNode, build_plan, compute_account,
                          compute_decode_bound_tokens_per_s, compute_ratios,
                          compute_sandbox_nodes, main, read_model_shape)
-from trainer.recipe import ConfigError, load_config
+from trainer.run.recipe import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

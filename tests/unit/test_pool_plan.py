@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trainer.pools import format_pool_plan, plan_pools
-from trainer.recipe import load_config
+from trainer.run.pools import format_pool_plan, plan_pools
+from trainer.run.recipe import load_config
 
 
 def test_cpu_plan_has_no_gpus_and_a_sandbox_pool():

@@ -12,7 +12,7 @@ import pytest
 from envs.pool import (SANDBOX_FAULT_EXIT_CODE, DurationRecorder, SandboxPool,
                        SandboxUnavailableError, build_sandbox_pool)
 from envs.sandbox.base import ExecResult, SandboxCapabilities, SandboxLimits, SandboxSpec, Snapshot
-from trainer.config import EnvsConfig
+from trainer.run.config import EnvsConfig
 
 GENERIC = SandboxSpec()
 

@@ -17,7 +17,7 @@ from reward.loop import RewardLoop
 from rollout.engine import EngineSpec, Sampling, TokenOutput
 from rollout.judge_client import EngineJudgeClient, build_judge_spec
 from envs.types import NO_VERSION, Message, Task, Trajectory
-from trainer.recipe import load_config
+from trainer.run.recipe import load_config
 
 TASK = Task("t", (Message("system", "You have tools."), Message("user", "What is 6 * 7?")),
             answer="42")

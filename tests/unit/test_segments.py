@@ -17,9 +17,9 @@ from rollout.gateway.server import GatewayStats
 from rollout.recorder import TrajectoryRecorder
 from rollout.worker import WorkerStats
 from tests.unit.test_agent_loop import make_worker
-from trainer.advantages import compute_group_advantages
-from trainer.config import LossConfig
-from trainer.metrics import compute_batch_metrics, compute_loop_metrics
+from trainer.train.advantages import compute_group_advantages
+from trainer.train.config import LossConfig
+from trainer.run.metrics import compute_batch_metrics, compute_loop_metrics
 
 
 def row(index: int, reward: float | None, segment: int = 0, termination: str = "finished",
@@ -144,6 +144,6 @@ async def test_a_timeout_after_a_restart_keeps_both_segments_as_timed_out(tokeni
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     return AutoTokenizer.from_pretrained(ensure_tiny_model())

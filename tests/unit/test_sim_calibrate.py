@@ -8,7 +8,7 @@ import pytest
 from launch.calibrate import (CacheExperiment, SandboxCosts, SandboxExperiment, SandboxResult,
                               build_tiny_engine_spec, run_model_cache_experiment,
                               run_model_sandboxes, waits_agree)
-from trainer.model_check import DecoderShape
+from trainer.run.model_check import DecoderShape
 
 TINY = DecoderShape(num_layers=2, hidden=128, intermediate=384, num_heads=2, num_kv_heads=1,
                     head_dim=64, vocab=518, tied_embeddings=False, positions=4096)

@@ -8,7 +8,7 @@ import pytest
 from launch.plan import build_plan, compute_account, compute_decode_bound_tokens_per_s
 from launch.sim.engine_model import EngineModel, SimRequest, build_engine_spec
 from launch.sim.trainer_model import TrainerModel
-from trainer.recipe import load_config
+from trainer.run.recipe import load_config
 
 from tests.unit.test_plan import SEED
 

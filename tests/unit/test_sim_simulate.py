@@ -13,7 +13,7 @@ import pytest
 
 from launch.plan import build_plan, compute_account, compute_train_s
 from launch.simulate import SimOptions, double_in_flight, main, run_simulation
-from trainer.recipe import load_config
+from trainer.run.recipe import load_config
 
 pytest.importorskip("looptime")
 

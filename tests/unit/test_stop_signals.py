@@ -1,4 +1,4 @@
-"""The run's signal handling (trainer.system.StopSignals) with real signals: the first
+"""The run's signal handling (trainer.run.system.StopSignals) with real signals: the first
 SIGINT or SIGTERM stops the controller (or, before it exists, cancels the start-up), the
 second cancels the run at once."""
 
@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from trainer.system import StopSignals
+from trainer.run.system import StopSignals
 
 
 class StandInController:

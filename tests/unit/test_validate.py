@@ -1,4 +1,4 @@
-"""Start-up validation (trainer.validate), as a user meets it: `python -m trainer.main
+"""Start-up validation (trainer.run.validate), as a user meets it: `python -m trainer.main
 recipe=... [--dry-run]` with a broken YAML file, broken task rows, unimportable or
 ill-shaped plug-ins and a bad model folder exits 2 with every problem listed, no
 traceback, and creates nothing on disk (issue 13, finding 8)."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.recipe import load_config
-from trainer.validate import check_plugin, validate_run
+from trainer.run.recipe import load_config
+from trainer.run.validate import check_plugin, validate_run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,9 +23,9 @@ from rollout.weight_reload import (
     plan_state_buckets,
     unpack_bucket,
 )
-from trainer.recipe import build_config, load_config
-from trainer.weight_sync import CpuTransport, build_transport, resolve_transport
-from trainer.weight_sync_nccl import (
+from trainer.run.recipe import build_config, load_config
+from trainer.train.weight_sync import CpuTransport, build_transport, resolve_transport
+from trainer.train.weight_sync_nccl import (
     BroadcastTransport,
     engine_rank_offsets,
     open_listen_socket,
@@ -184,7 +184,7 @@ class FakeRankZero:
 
 
 def outcome(served, failures=(), **errors):
-    from trainer.weight_sync_nccl import BroadcastOutcome
+    from trainer.train.weight_sync_nccl import BroadcastOutcome
 
     return BroadcastOutcome(7, 1000, 0.0, 0.1, tuple(served), tuple(failures), **errors)
 
@@ -196,7 +196,7 @@ def fake_router(names):
 
 
 def test_the_driver_drops_gone_engines_and_pushes_again_to_the_rest():
-    from trainer.weight_sync_nccl import BroadcastTransport, EngineFailure
+    from trainer.train.weight_sync_nccl import BroadcastTransport, EngineFailure
 
     router = fake_router(["e0", "e1", "e2"])
     rank0 = FakeRankZero([
@@ -212,7 +212,7 @@ def test_the_driver_drops_gone_engines_and_pushes_again_to_the_rest():
 
 
 def test_an_engine_gone_after_taking_nothing_does_not_need_a_second_push():
-    from trainer.weight_sync_nccl import BroadcastTransport, EngineFailure
+    from trainer.train.weight_sync_nccl import BroadcastTransport, EngineFailure
 
     router = fake_router(["e0", "e1"])
     rank0 = FakeRankZero([outcome(["e0"], [EngineFailure("e1", "no answer", gone=True)])])
@@ -222,8 +222,8 @@ def test_an_engine_gone_after_taking_nothing_does_not_need_a_second_push():
 
 
 def test_a_push_fails_loudly_when_rank_zero_breaks_checksums_differ_or_attempts_run_out():
-    from trainer.weight_sync import WeightSyncError
-    from trainer.weight_sync_nccl import MAX_ATTEMPTS, BroadcastTransport, EngineFailure
+    from trainer.train.weight_sync import WeightSyncError
+    from trainer.train.weight_sync_nccl import MAX_ATTEMPTS, BroadcastTransport, EngineFailure
 
     cases = [([outcome([], sender_error="ValueError: weights to send differ from the plan")],
               "differ from the plan"),

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from trainer.config import LossConfig
+from trainer.train.config import LossConfig
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 IS_MODES = ("mask", "clamp", "off")

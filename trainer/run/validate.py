@@ -30,7 +30,7 @@ from envs.tools.base import check_tool_class
 from envs.types import Task
 from reward.base import load_reward_fn
 from rollout.agent_loop import load_agent_loop
-from trainer.config import SluiceConfig
+from trainer.run.config import SluiceConfig
 
 MAX_ROW_PROBLEMS = 20  # per task source; a file with thousands of bad rows lists this many
 MAX_TASK_IDS = 3  # task ids named in one problem (then "and N more")
@@ -217,7 +217,7 @@ def _task_plugin_problems(key: str, tasks: list[Task], checked: set[tuple[str, s
 
 def _model_problems(key: str, path: str) -> list[str]:
     if path == "tiny":
-        from trainer.tiny_model import ensure_tiny_model
+        from trainer.run.tiny_model import ensure_tiny_model
 
         folder = ensure_tiny_model()  # built once into the cache; what the run uses
     else:

@@ -1,14 +1,14 @@
 """The controller's two seams: what it needs of the rollout side and of the trainer side.
 
-The controller is plain asyncio against these Protocols. The Ray adapters live in the thin
-shells (`rollout.worker_actor.RayRollout`, `trainer.train_actor.RayTrainer`); the unit tests
-use in-process stand-ins, and the simulator (launch) plugs simulated parts in here.
+The controller is plain asyncio against these Protocols; they live beside it, the
+consumer, not beside either implementation. The Ray adapters live in the thin shells
+(`rollout.worker_actor.RayRollout`, `trainer.train.train_actor.RayTrainer`); the unit
+tests use in-process stand-ins, and the simulator (launch) plugs simulated parts in here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -16,22 +16,7 @@ from buffer.batch import TrainBatch
 from envs.types import Group, Task
 from rollout.engine import EngineStats
 from rollout.worker import WorkerStats
-
-
-@dataclass(frozen=True, slots=True)
-class TrainOutcome:
-    """What one training step reports back: its metrics (loss/*, perf/*), already flat."""
-
-    metrics: Mapping[str, float]
-
-
-@dataclass(frozen=True, slots=True)
-class PushOutcome:
-    """How a verified weight push went: the engines that failed during it (dropped from
-    routing; the others serve the version) and how many sends it took."""
-
-    failed_engines: tuple[str, ...] = ()
-    attempts: int = 1
+from trainer.train.outcomes import PushOutcome, TrainOutcome
 
 
 class RolloutSide(Protocol):
@@ -69,7 +54,7 @@ class TrainerSide(Protocol):
         ...
 
     def save_state(self, folder: Path) -> None:
-        """Blocking (called from a thread): write the trainer's state (trainer.checkpoint)."""
+        """Blocking (called from a thread): write the trainer's state (trainer.run.checkpoint)."""
         ...
 
     def load_state(self, folder: Path) -> None: ...

@@ -4,7 +4,7 @@ Two ways, both from train rank 0: the driver hands over a version and gets a ver
 PushResult, never the weights. CPU transport: rank 0 serialises the full state as
 safetensors bytes once and every engine loads them in place (`send_prepared`;
 `push_weights` does the same from a state dict in this process). Broadcast transport
-(`trainer.weight_sync_nccl`; NCCL on GPU clusters, gloo on CPU ones): rank 0 broadcasts
+(`trainer.train.weight_sync_nccl`; NCCL on GPU clusters, gloo on CPU ones): rank 0 broadcasts
 bucketed weights to every engine worker through a group of their own, each step bounded
 in time, and a failed engine is dropped from the group. Afterwards each engine reports a
 checksum of a few tensors and its version; any mismatch stops training with an error,
@@ -28,8 +28,8 @@ from rollout.router import Router
 from rollout.weight_reload import checksum_tensors
 
 if TYPE_CHECKING:
-    from trainer.config import SluiceConfig
-    from trainer.weight_sync_nccl import BroadcastTransport, WeightSenderClient
+    from trainer.train.config import TrainRecipe
+    from trainer.train.weight_sync_nccl import BroadcastTransport, WeightSenderClient
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class CpuTransport:
         return SentWeights(len(blob), encode_s)
 
 
-def resolve_transport(cfg: "SluiceConfig") -> str:
+def resolve_transport(cfg: "TrainRecipe") -> str:
     """The transport a run uses: 'cpu', 'nccl' or 'gloo'; ValueError for nccl without GPUs."""
     transport = cfg.sync.transport
     if transport == "auto":
@@ -87,7 +87,7 @@ def resolve_transport(cfg: "SluiceConfig") -> str:
     return transport
 
 
-def build_transport(cfg: SluiceConfig, sender: WeightSenderClient | None = None
+def build_transport(cfg: TrainRecipe, sender: WeightSenderClient | None = None
                     ) -> CpuTransport | BroadcastTransport:
     """The transport `cfg` asks for; a broadcast (nccl, gloo) needs `sender`, the train
     group (its rank 0 plans and sends)."""
@@ -96,7 +96,7 @@ def build_transport(cfg: SluiceConfig, sender: WeightSenderClient | None = None
     if sender is None:
         raise ValueError(f"sync.transport={resolve_transport(cfg)} needs the train group to "
                          "send from rank 0; pass it as sender, or set sync.transport=cpu")
-    from trainer.weight_sync_nccl import BroadcastTransport
+    from trainer.train.weight_sync_nccl import BroadcastTransport
 
     return BroadcastTransport(sender, timeout_s=cfg.sync.timeout_s)
 

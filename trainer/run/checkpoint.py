@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from trainer.controller import ControllerState
+from trainer.run.controller import ControllerState
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from envs.types import Task
-from trainer.config import SluiceConfig
-from trainer.seams import RolloutSide, TrainerSide
-from trainer.controller import Controller, EnvMetrics, RunSummary
-from trainer.metrics import (ConsoleSink, EventSink, JsonlSink, MetricsLogger, MetricsSink,
+from trainer.run.config import SluiceConfig
+from trainer.run.seams import RolloutSide, TrainerSide
+from trainer.run.controller import Controller, EnvMetrics, RunSummary
+from trainer.run.metrics import (ConsoleSink, EventSink, JsonlSink, MetricsLogger, MetricsSink,
                              TranscriptSink, WandbSink)
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def resolve_run_place(cfg: SluiceConfig, recipe_name: str) -> RunPlace:
     logging.run_name or, without a name, of the newest run of this recipe; a path may be a
     run folder or one of its checkpoints/step-N folders. ValueError says what is missing.
     """
-    from trainer.checkpoint import latest_checkpoint
+    from trainer.run.checkpoint import latest_checkpoint
 
     out = Path(cfg.logging.output_dir).resolve()
     resume = cfg.checkpoint.resume_from
@@ -84,7 +84,7 @@ def resolve_run_place(cfg: SluiceConfig, recipe_name: str) -> RunPlace:
 
 def resolve_model_path(path: str) -> Path:
     """A model folder: `path`, or the tiny test model (built on first use) for 'tiny'."""
-    from trainer.tiny_model import ensure_tiny_model
+    from trainer.run.tiny_model import ensure_tiny_model
 
     if not path:
         raise ValueError("model.path is required: a Hugging Face model folder, or 'tiny'")
@@ -170,7 +170,7 @@ class Parts:
     """The started pieces of a run that the controller drives."""
 
     rollout: RolloutSide  # rollout.worker_actor.RayRollout
-    trainer: TrainerSide  # trainer.train_actor.RayTrainer
+    trainer: TrainerSide  # trainer.train.train_actor.RayTrainer
     env_metrics: EnvMetrics
     sandbox_pools: list[Any]  # SandboxPoolActor handles: closed before Ray shuts down
 
@@ -224,9 +224,9 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
     from rollout.judge_client import start_judge
     from rollout.router import Router
     from rollout.worker_actor import RayRollout, start_agent_workers
-    from trainer.pools import build_pools, connect_cluster
-    from trainer.train_actor import RayTrainer, TrainGroup
-    from trainer.weight_sync import build_transport, resolve_transport
+    from trainer.run.pools import build_pools, connect_cluster
+    from trainer.train.train_actor import RayTrainer, TrainGroup
+    from trainer.train.weight_sync import build_transport, resolve_transport
 
     connect_cluster(cfg)
     placed = build_pools(cfg)
@@ -261,8 +261,8 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
 
     from envs.tasks import load_tasks
     from rollout.template_check import check_template
-    from trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
-    from trainer.weight_sync import resolve_transport
+    from trainer.run.checkpoint import RunState, load_checkpoint, save_checkpoint
+    from trainer.train.weight_sync import resolve_transport
 
     resolve_transport(cfg)
     run_dir = place.run_dir

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from envs.types import Trajectory
-from trainer.advantages import broadcast_to_tokens
+from trainer.train.advantages import broadcast_to_tokens
 
 
 @dataclass(frozen=True, slots=True)

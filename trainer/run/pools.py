@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainer.config import SluiceConfig
+from trainer.run.config import SluiceConfig
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup

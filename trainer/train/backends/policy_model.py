@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainer.backends.logprobs import PACKED_SDPA, register_packed_sdpa
+from trainer.train.backends.logprobs import PACKED_SDPA, register_packed_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def choose_attention(device: torch.device) -> str:
     """flash_attention_2 (varlen kernel) where it can run, else the per-sequence sdpa
-    fallback (see trainer.backends.logprobs)."""
+    fallback (see trainer.train.backends.logprobs)."""
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return PACKED_SDPA

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trainer.backends.packing import PackedBatch
+from trainer.train.backends.packing import PackedBatch
 
 PACKED_SDPA = "sluice_packed_sdpa"
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", PACKED_SDPA)
@@ -56,7 +56,7 @@ def compute_packed_sdpa_attention(module: torch.nn.Module, query_BHTD: torch.Ten
     """
     if query_BHTD.shape[0] != 1:
         raise ValueError("packed attention expects one packed row (batch size 1); pack "
-                         "sequences with trainer.backends.packing instead of padding them")
+                         "sequences with trainer.train.backends.packing instead of padding them")
     num_tokens = query_BHTD.shape[2]
     bounds = [0, num_tokens] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
     gqa = key_BHTD.shape[1] != query_BHTD.shape[1]

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from envs.types import Trajectory
-from trainer.backends.packing import PackedBatch
-from trainer.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
+from trainer.train.backends.packing import PackedBatch
+from trainer.train.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
                                            resolve_dtype, weight_specs)
-from trainer.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
+from trainer.train.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
                                    compute_warmup_factor, run_train_step)
-from trainer.config import LossConfig, TrainConfig
+from trainer.train.config import LossConfig, TrainConfig
 
 
 class TorchBackend:

@@ -11,7 +11,7 @@ import torch
 
 from buffer.batch import is_zero_variance  # noqa: F401  (one check, shared with the buffer)
 from envs.types import Group
-from trainer.config import LossConfig
+from trainer.train.config import LossConfig
 
 
 def _check_group(rewards_G: torch.Tensor) -> None:

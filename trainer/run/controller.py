@@ -1,5 +1,5 @@
 """The controller: owns the admission and training loops of a run and wires them through
-the replay buffer. It talks only to the two seams (trainer.seams): the rollout side runs
+the replay buffer. It talks only to the two seams (trainer.run.seams): the rollout side runs
 and scores groups where their sandboxes are; the trainer side trains and pushes weights
 from its own ranks. The driver moves tasks, scored groups and versions, never workspaces
 or weights.
@@ -45,11 +45,11 @@ from buffer.batch import TrainBatch
 from buffer.breaker import FailureBreaker, RepeatedFailure, group_failure
 from buffer.replay_buffer import BufferState, ReplayBuffer
 from envs.types import Group, Task, TerminationReason
-from trainer.advantages import compute_group_advantages
-from trainer.config import SluiceConfig
-from trainer.metrics import (BusyClock, EventSink, MetricsLogger, TranscriptSink,
+from trainer.train.advantages import compute_group_advantages
+from trainer.run.config import SluiceConfig
+from trainer.run.metrics import (BusyClock, EventSink, MetricsLogger, TranscriptSink,
                              compute_batch_metrics, compute_loop_metrics, turn_events)
-from trainer.seams import RolloutSide, TrainerSide
+from trainer.run.seams import RolloutSide, TrainerSide
 
 log = logging.getLogger(__name__)
 

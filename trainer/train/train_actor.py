@@ -1,7 +1,7 @@
 """Thin Ray shell for training: one TrainRankActor per bundle of the train pool, hosting a
 backend (DeepSpeed by default); `TrainGroup`, which drives all ranks with the same call
 and splits each batch between them by tokens; and `RayTrainer`, the controller's
-TrainerSide over a TrainGroup. All behaviour lives in trainer.backends."""
+TrainerSide over a TrainGroup. All behaviour lives in trainer.train.backends."""
 
 from __future__ import annotations
 
@@ -19,20 +19,20 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from buffer.batch import TrainBatch
 from envs.types import Trajectory
 from rollout.router import Router
-from trainer.config import SluiceConfig
-from trainer.seams import PushOutcome, TrainOutcome
-from trainer.weight_sync import WeightSyncError
-from trainer.weight_sync_nccl import BroadcastTransport
+from trainer.train.config import TrainRecipe
+from trainer.train.outcomes import PushOutcome, TrainOutcome
+from trainer.train.weight_sync import WeightSyncError
+from trainer.train.weight_sync_nccl import BroadcastTransport
 
 
 @ray.remote
 class TrainRankActor:
-    def __init__(self, cfg: SluiceConfig, model_path: str, rank: int, world_size: int,
+    def __init__(self, cfg: TrainRecipe, model_path: str, rank: int, world_size: int,
                  master_addr: str, master_port: int) -> None:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         from rollout.rope import build_rope_overrides, read_config_json
-        from trainer.backends import build_backend
+        from trainer.train.backends import build_backend
 
         self.cfg = cfg
         self.rank = rank
@@ -57,7 +57,7 @@ class TrainRankActor:
         """Every rank: gather the weights (a collective under ZeRO-3). Rank 0 keeps them,
         encoded, with their checksum, for `send_push`; it returns the bytes prepared. Runs
         while rollout goes on: only the send needs the turn gates closed."""
-        from trainer.weight_sync import encode_state, expected_checksum
+        from trainer.train.weight_sync import encode_state, expected_checksum
 
         state = self.backend.state_dict_for_push()
         if self.rank != 0:
@@ -69,7 +69,7 @@ class TrainRankActor:
         """Rank 0: send the prepared weights straight to every engine and verify them; the
         driver only learns the outcome (a PushResult), never the weights."""
         from rollout.engine_actor import RayEngineClient
-        from trainer.weight_sync import send_prepared
+        from trainer.train.weight_sync import send_prepared
 
         if self._prepared is None or self._prepared[0] != version:
             raise RuntimeError(f"send_push({version}) without prepare_push({version})")
@@ -99,8 +99,8 @@ class TrainRankActor:
     def _build_pusher(self) -> Any:
         import torch
 
-        from trainer.weight_sync import resolve_transport
-        from trainer.weight_sync_nccl import BroadcastPusher
+        from trainer.train.weight_sync import resolve_transport
+        from trainer.train.weight_sync_nccl import BroadcastPusher
 
         cuda = self.cfg.cluster.device == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
@@ -123,14 +123,14 @@ def _node_address_and_port() -> tuple[str, int]:
 
 
 class BackendWeights:
-    """A backend's weights as trainer.weight_sync_nccl.WeightSource: shapes without a
+    """A backend's weights as trainer.train.weight_sync_nccl.WeightSource: shapes without a
     gather where the backend can tell them, and its one-tensor-at-a-time walk."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
 
     def specs(self) -> list:
-        from trainer.weight_sync_nccl import specs_of
+        from trainer.train.weight_sync_nccl import specs_of
 
         push_specs = getattr(self.backend, "push_specs", None)
         return push_specs() if push_specs is not None else specs_of(self.backend.state_dict_for_push())
@@ -144,7 +144,7 @@ class TrainGroup:
     """All ranks of the train pool. Each call goes to every rank (the backends hold
     collectives); a batch is split into contiguous per-rank shards."""
 
-    def __init__(self, cfg: SluiceConfig, model_path: str, placement_group: Any | None) -> None:
+    def __init__(self, cfg: TrainRecipe, model_path: str, placement_group: Any | None) -> None:
         world = cfg.train.num_ranks
         gpus = 1 if cfg.cluster.device == "cuda" else 0
 
@@ -175,7 +175,7 @@ class TrainGroup:
         return (await asyncio.gather(*refs))[0]  # a collective on every rank; rank 0's copy
 
     async def push_broadcast(self, version: int, engines: Mapping[str, Any], verify: bool) -> Any:
-        """trainer.weight_sync_nccl.WeightSenderClient: rank 0 pushes `version` to `engines`
+        """trainer.train.weight_sync_nccl.WeightSenderClient: rank 0 pushes `version` to `engines`
         (RayEngineClients) while the other ranks walk their weights with it; rank 0's
         BroadcastOutcome. Only the version, the handles and the outcome cross the driver."""
         handles = {n: e.handle for n, e in engines.items()}
@@ -183,7 +183,7 @@ class TrainGroup:
         refs += [rank.walk_push.remote() for rank in self.ranks[1:]]
         return (await asyncio.gather(*refs))[0]
 
-    # Blocking: the controller calls these from a thread (trainer.checkpoint is synchronous).
+    # Blocking: the controller calls these from a thread (trainer.run.checkpoint is synchronous).
     def save_state(self, folder: str | Path) -> None:
         ray.get([rank.save_state.remote(str(folder)) for rank in self.ranks])
 

@@ -2,7 +2,7 @@
 
 OmegaConf does the merge (and `${...}` interpolation); the typed build here rejects
 unknown keys with the closest valid key, names the key and expected type on a type
-error, and leaves cross-field checks to `trainer.config.check_config`.
+error, and leaves cross-field checks to `trainer.run.config.check_config`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.config import SluiceConfig, iter_fields
+from trainer.run.config import SluiceConfig, iter_fields
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 class ConfigError(ValueError):

@@ -53,7 +53,7 @@ from rollout.weight_reload import (
     pack_bucket,
     plan_buckets,
 )
-from trainer.weight_sync import PushResult, WeightSyncError, check_engines, choose_checksum_names
+from trainer.train.weight_sync import PushResult, WeightSyncError, check_engines, choose_checksum_names
 
 if TYPE_CHECKING:
     import torch
@@ -391,7 +391,7 @@ class BroadcastPusher:
 
 class WeightSenderClient(Protocol):
     """How the driver reaches rank 0's BroadcastPusher: the Ray train group
-    (trainer.train_actor.TrainGroup) or a pusher in this process (LocalSender)."""
+    (trainer.train.train_actor.TrainGroup) or a pusher in this process (LocalSender)."""
 
     async def push_broadcast(self, version: int, engines: Mapping[str, EngineClient],
                              verify: bool) -> BroadcastOutcome: ...

@@ -16,13 +16,13 @@ if TYPE_CHECKING:
     import torch
 
     from envs.types import Trajectory
-    from trainer.backends.packing import PackedBatch
-    from trainer.backends.step import StepResult
-    from trainer.config import LossConfig, TrainConfig
+    from trainer.train.backends.packing import PackedBatch
+    from trainer.train.backends.step import StepResult
+    from trainer.train.config import LossConfig, TrainConfig
 
 BACKENDS = {
-    "deepspeed": "trainer.backends.deepspeed_backend:DeepSpeedBackend",
-    "torch": "trainer.backends.torch_backend:TorchBackend",
+    "deepspeed": "trainer.train.backends.deepspeed_backend:DeepSpeedBackend",
+    "torch": "trainer.train.backends.torch_backend:TorchBackend",
 }
 
 

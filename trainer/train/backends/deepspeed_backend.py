@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from envs.types import Trajectory
-from trainer.backends.packing import PackedBatch
-from trainer.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
+from trainer.train.backends.packing import PackedBatch
+from trainer.train.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
                                            resolve_dtype, weight_specs)
-from trainer.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
+from trainer.train.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
                                    compute_warmup_factor, run_train_step)
-from trainer.config import LossConfig, TrainConfig
+from trainer.train.config import LossConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def build_deepspeed_config(cfg: TrainConfig, dtype: torch.dtype) -> dict[str, An
 
     Gradient accumulation is unmanaged: micro-batch counts vary from step to step, so the
     step loop calls backward per micro-batch and `step()` once per minibatch, and scales
-    each micro-batch loss itself (see trainer.backends.step).
+    each micro-batch loss itself (see trainer.train.backends.step).
     """
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"train.zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")

@@ -24,11 +24,11 @@ from typing import Protocol
 import torch
 
 from envs.types import Trajectory
-from trainer.backends.logprobs import compute_token_logprobs_and_entropy
-from trainer.backends.packing import (PackedBatch, build_micro_batches, split_minibatches,
+from trainer.train.backends.logprobs import compute_token_logprobs_and_entropy
+from trainer.train.backends.packing import (PackedBatch, build_micro_batches, split_minibatches,
                                       unpack_to_rows)
-from trainer.config import LossConfig, TrainConfig
-from trainer.loss import LossMetrics, compute_policy_loss
+from trainer.train.config import LossConfig, TrainConfig
+from trainer.train.loss import LossMetrics, compute_policy_loss
 
 ADAM_BETAS = (0.9, 0.999)  # AdamW moments of every backend, so they train alike
 ADAM_EPS = 1e-8

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.rope import build_rope_overrides, count_positions, read_config_json, text_config
-from trainer.config import SluiceConfig
+from trainer.run.config import SluiceConfig
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -123,7 +123,7 @@ class ModelReport:
 def resolve_model_folder(path: str) -> Path | None:
     """The folder a model path names ('tiny' is built into the cache once); None if absent."""
     if path == "tiny":
-        from trainer.tiny_model import ensure_tiny_model
+        from trainer.run.tiny_model import ensure_tiny_model
 
         return ensure_tiny_model()
     folder = Path(path).expanduser()

@@ -1,9 +1,11 @@
 """The one configuration schema of sluice, composed here from each package's own section
-(`envs.config`, `reward.config`, `rollout.config`, `buffer.config`) and the trainer's.
+(`envs.config`, `rollout.config` with the `reward` section of the reward loop it runs,
+`buffer.config`, `trainer.train.config`) and the run's own (cluster, model, eval,
+checkpoint, logging).
 
 Every field carries its documentation in `metadata["doc"]` (shown by `--help`), counts
 start with `num_`, and units are part of names. Recipes and dotted overrides are merged
-and checked by `trainer.recipe`; this module holds only the schema and the cross-field
+and checked by `trainer.run.recipe`; this module holds only the schema and the cross-field
 checks, and imports nothing heavy.
 """
 
@@ -16,12 +18,12 @@ from buffer.config import BufferConfig
 from envs.config import EnvsConfig
 from envs.knobs import iter_fields, knob, mapping_knob, section
 from envs.plugins import check_plugin_name
-from reward.config import JudgeConfig, RewardConfig
-from rollout.config import AgentConfig, RolloutConfig
+from rollout.config import AgentConfig, RewardConfig, RolloutConfig
 from trainer.plan_config import PlanConfig
+from trainer.train.config import LossConfig, SyncConfig, TrainConfig
 
 __all__ = ["AgentConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "EnvsConfig",
-           "EvalConfig", "JudgeConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+           "EvalConfig", "LoggingConfig", "LossConfig", "ModelConfig",
            "RewardConfig", "RolloutConfig", "SluiceConfig", "SyncConfig", "TrainConfig",
            "check_config", "iter_fields"]
 
@@ -63,32 +65,6 @@ class ModelConfig:
     warm_start_steps: int = knob(0, "Supervised steps of the warm start (model.warm_start).")
 
 
-@dataclass(frozen=True, slots=True)
-class TrainConfig:
-    mode: Literal["async", "sync"] = knob("async", "async: rollout and training overlap; sync: "
-                                          "generate a batch, train, push (baseline).")
-    backend: Literal["deepspeed", "torch"] = knob("deepspeed", "Training backend; torch is a "
-                                                  "single-process backend for tests.")
-    num_ranks: int = knob(1, "Training processes; one GPU each on cuda.")
-    cpus_per_rank: float = knob(1.0, "Ray CPUs reserved per training rank.")
-    zero_stage: int = knob(2, "DeepSpeed ZeRO stage (0-3).")
-    num_steps: int = knob(100, "Optimizer steps (policy versions) to train.")
-    group_size: int = knob(8, "G: trajectories per task in one GRPO group.")
-    groups_per_step: int = knob(8, "Groups consumed by one training step.")
-    num_minibatches: int = knob(1, "Optimizer steps per batch (PPO minibatches); proximal "
-                                "logprobs stay fixed across them.")
-    micro_batch_tokens: int = knob(8192, "Token budget of one packed micro-batch.")
-    logprob_chunk_tokens: int = knob(2048, "Positions whose logits exist at once when logprobs "
-                                     "and entropy are computed (fp32 [chunk, vocab]); memory "
-                                     "for one sequence is then linear in its length. 0: the "
-                                     "whole micro-batch's logits at once.")
-    lr: float = knob(1e-6, "AdamW learning rate.")
-    weight_decay: float = knob(0.0, "AdamW weight decay.")
-    max_grad_norm: float = knob(1.0, "Gradient clipping norm.")
-    num_warmup_steps: int = knob(0, "Linear learning-rate warm-up steps.")
-    gradient_checkpointing: bool = knob(False, "Recompute activations in backward.")
-    seed: int = knob(0, "Seed of data order, sampling and initialisation.")
-
 
 @dataclass(frozen=True, slots=True)
 class EvalConfig:
@@ -101,36 +77,6 @@ class EvalConfig:
                             "training waits while it runs, so every score is one version's.")
 
 
-@dataclass(frozen=True, slots=True)
-class LossConfig:
-    eps_low: float = knob(0.2, "Lower PPO clip: ratio >= 1 - eps_low.")
-    eps_high: float = knob(0.28, "Upper PPO clip (clip-higher): ratio <= 1 + eps_high.")
-    dual_clip_c: float | None = knob(None, "Dual-clip bound for negative advantages (> 1); None: off.")
-    is_mode: Literal["mask", "clamp", "off"] = knob(
-        "mask", "Behaviour importance weight outside bounds: mask the token (kept in the "
-        "denominator), clamp the weight, or no correction.")
-    is_min: float = knob(0.0, "Lower bound of exp(proximal - behaviour).")
-    is_max: float = knob(5.0, "Upper bound of exp(proximal - behaviour).")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = knob(
-        "token_mean", "How per-token losses become one number.")
-    kl_coef: float = knob(0.0, "Weight of the k3 KL to the reference policy (0: no reference).")
-    entropy_coef: float = knob(0.0, "Weight of the entropy bonus.")
-    adv_std_norm: bool = knob(True, "Divide group-centred rewards by the group std.")
-    adv_leave_one_out: bool = knob(False, "Baseline is the mean of the other G-1 rewards.")
-    adv_eps: float = knob(1e-6, "Added to the std before dividing.")
-
-
-@dataclass(frozen=True, slots=True)
-class SyncConfig:
-    transport: Literal["auto", "nccl", "gloo", "cpu"] = knob(
-        "auto", "Weight push transport; auto: nccl on cuda, cpu (safetensors bytes) on cpu; "
-        "gloo: the broadcast path of nccl over a gloo group (CPU clusters, tests).")
-    bucket_mb: int = knob(512, "Size of one weight bucket.")
-    verify_checksum: bool = knob(True, "Engines confirm a checksum of a few tensors; a "
-                                 "mismatch stops training.")
-    timeout_s: float = knob(300.0, "Limit of one weight push; on the broadcast transports every "
-                            "rank bounds each step by it, then leaves the group (a failed "
-                            "engine is dropped and the push goes on with the rest).")
 
 
 @dataclass(frozen=True, slots=True)
