@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from envs.plugins import resolve_plugin
-from envs.sandbox.base import (ExecResult, Sandbox, SandboxLimits, SandboxSpec, Snapshot,
-                               build_sandbox_limits)
+from envs.sandbox.base import (ExecResult, Sandbox, SandboxLimits, SandboxRole, SandboxSpec,
+                               Snapshot, build_sandbox_limits)
 from envs.sandbox.changes import changes_from_snapshot
 from envs.types import WorkspaceChanges
 from envs.config import EnvsConfig
@@ -523,7 +523,9 @@ class SandboxPool:
     async def _create(self, spec: SandboxSpec) -> Sandbox:
         start = time.monotonic()
         try:
-            sandbox = await self._factory(spec)
+            # Every sandbox the pool makes is driven by the policy: it leases host uids
+            # apart from grading sandboxes' (SandboxRole), whatever the caller's spec says.
+            sandbox = await self._factory(dataclasses.replace(spec, role=SandboxRole.AGENT))
         except Exception:
             self._counters.num_create_failures += 1
             raise

@@ -7,10 +7,11 @@ from envs.sandbox.base import (
                                Sandbox,
                                SandboxCapabilities,
                                SandboxLimits,
+                               SandboxRole,
                                SandboxSpec,
                                Snapshot,
                                build_sandbox_limits,
 )
 
 __all__ = ["ExecResult", "Sandbox", "SandboxCapabilities", "SandboxLimits",
-           "SandboxSpec", "Snapshot", "build_sandbox_limits"]
+           "SandboxRole", "SandboxSpec", "Snapshot", "build_sandbox_limits"]

@@ -7,6 +7,7 @@ import string and must pass `tests/integration/test_sandbox_contract.py`.
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass, field
 from typing import Protocol, Self
@@ -51,6 +52,15 @@ def build_sandbox_limits(envs: EnvsConfig) -> SandboxLimits:
                          max_output_bytes=envs.max_output_bytes)
 
 
+class SandboxRole(enum.Enum):
+    """Whose sandbox it is. Each role leases host uids from its own half of a backend's
+    range, so what the kernel keeps per uid after a sandbox is gone (keyrings, key
+    quotas) never passes from a sandbox that held hidden tests to one the policy drives."""
+
+    AGENT = "agent"  # the policy's commands, their output shown to the model (envs.pool)
+    GRADER = "grader"  # grading and everything else: may hold what the policy must not see
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
     """What to create: the workspace's initial content, the limits and the image."""
@@ -67,6 +77,10 @@ class SandboxSpec:
     # WORKSPACE_MOUNT, or where the image keeps its repository (Task.workdir, e.g.
     # /testbed). Only container backends mount it elsewhere.
     workdir: str = WORKSPACE_MOUNT
+    # GRADER unless the agent pool made it: envs.pool stamps AGENT on every sandbox it
+    # creates for trajectories, so a sandbox made anywhere else (reward code, tools,
+    # benchmarks) never shares host uids with the policy's.
+    role: SandboxRole = SandboxRole.GRADER
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.workdir) or os.path.normpath(self.workdir) != self.workdir \
@@ -103,6 +117,9 @@ class SandboxCapabilities:
     host_uid: int  # uid the commands have on the host
     nested_userns_blocked: bool  # commands cannot create further user namespaces
     disk_limit_mb: int | None  # cap on the workspace's size; None: bounded only per file
+    # System calls every command fails by seccomp (envs.sandbox.seccomp: kernel channels
+    # between sandboxes); empty for a backend that installs no such filter.
+    denied_syscalls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,9 @@ fresh namespaces with only the system's read-only runtime and the workspace visi
 
 Every step execs the next, so the process asyncio waits on ends up being bwrap itself;
 killing it kills the PID namespace's init (--die-with-parent) and with it every process
-of the command, daemons included.
+of the command, daemons included. bwrap installs the seccomp filter of
+`envs.sandbox.seccomp` (read from a pipe the launcher inherits, `--seccomp FD`) right
+before it execs the command, on the namespace's init too.
 """
 
 from __future__ import annotations
@@ -117,8 +119,10 @@ def mount_args(workspace: str, etc_dir: str, tmp_size_mb: int) -> list[str]:
 
 def build_command(runtime: HostRuntime, *, host_uid: int, cgroup_procs: list[str],
                   limits: SandboxLimits, memory_cgroup: bool, workspace: str, etc_dir: str,
-                  argv: list[str]) -> list[str]:
-    """The full launcher argv for one command (see the module docstring)."""
+                  argv: list[str], seccomp_fd: int | None) -> list[str]:
+    """The full launcher argv for one command (see the module docstring). `seccomp_fd`:
+    the descriptor, inherited by the launcher, that holds the seccomp program (None: no
+    filter, for benchmarks that measure its cost)."""
     namespaces = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
                   "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                   "--hostname", "sandbox"]
@@ -128,7 +132,8 @@ def build_command(runtime: HostRuntime, *, host_uid: int, cgroup_procs: list[str
         namespaces.append("--disable-userns")
     env = ["--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", WORKSPACE_MOUNT,
            "--setenv", "LANG", "C.UTF-8"]
-    bwrap = [runtime.bwrap, *namespaces, "--die-with-parent", "--new-session", *env,
+    seccomp = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
+    bwrap = [runtime.bwrap, *namespaces, "--die-with-parent", "--new-session", *seccomp, *env,
              *mount_args(workspace, etc_dir, limits.memory_mb), "--", *argv]
     drop = [runtime.setpriv, "--reuid", str(host_uid), "--regid", str(host_uid),
             "--clear-groups", "--"]

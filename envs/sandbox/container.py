@@ -4,17 +4,25 @@ does) and hosts where containers are the isolation of choice.
 
 One long-lived container per sandbox, each command a `podman exec` into it:
 
-    create:  lease a host uid -> workspace folder (tmpfs, like local) -> `run -d` a root
-             init (catatonit -P) with no network, read-only root, no capabilities, no
-             nested user namespaces (seccomp), memory/pids/cpu limits and rlimits, the
-             workspace bound at /workspace
+    create:  lease a host uid (of the spec's role; its keyrings emptied) -> workspace
+             folder (tmpfs, like local) -> `run -d` a root init (catatonit -P) with no
+             network, read-only root, no capabilities, a seccomp profile (no nested user
+             namespaces, no envs.sandbox.seccomp kernel channels), memory/pids/cpu limits
+             and rlimits, the workspace bound at /workspace
     exec:    `exec --user <uid>` (head+tail capped output, wall-clock limit) -> kill every
              process of the uid in the container's cgroup -> empty /tmp and /dev/shm
     release: `rm -f` the container -> kill any straggler of the uid -> delete the folder
+             -> empty the uid's keyrings
 
 The workspace is a host folder, as in the local backend, and the same code does file
 operations and snapshots (`workspace.HostWorkspace`). Commands run as the leased host uid
 (not 65534), so RLIMIT_NPROC is per sandbox and "what is left" is checkable from /proc.
+
+Containers share the host's user namespace, so what the kernel keeps per uid there (its
+keyrings) would pass from one sandbox of a uid to the next: the profile denies the
+keyring calls, agent and grading sandboxes never share a uid (SandboxSpec.role), and a
+uid's keyrings are emptied whenever it is leased and released. What remains possible
+between sandboxes is listed in envs.sandbox.seccomp.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from envs.sandbox import engine as engines
-from envs.sandbox import workspace
+from envs.sandbox import seccomp, workspace
 from envs.sandbox.base import (
     ExecResult,
     SandboxCapabilities,
@@ -38,7 +46,12 @@ from envs.sandbox.base import (
 )
 from envs.sandbox.cgroups import SandboxCgroup
 from envs.sandbox.engine import ContainerEngine
-from envs.sandbox.hostuid import HostUidLease, kill_all_of_uid, live_of_uid
+from envs.sandbox.hostuid import (
+    HostUidLease,
+    clear_keyrings_of_uid,
+    kill_all_of_uid,
+    live_of_uid,
+)
 from envs.sandbox.launch import kill_launcher, run_launcher
 
 log = logging.getLogger(__name__)
@@ -56,7 +69,9 @@ class ContainerSandboxConfig:
 
     root_dir: str | None = None  # parent of the sandbox folders; None: the system temp dir
     snapshot_dir: str | None = None  # where snapshot tars go; None: the system temp dir
-    first_host_uid: int = 1_200_000  # host uids [first, first + num) are leased to sandboxes
+    # Host uids [first, first + num) are leased to sandboxes: the first half to agent
+    # sandboxes, the second to grading ones (SandboxSpec.role).
+    first_host_uid: int = 1_200_000
     num_host_uids: int = 4096
     lease_dir: str = "/run/sluice-sandbox-uids"
     cap_workspace: bool = True  # a tmpfs of SandboxLimits.disk_mb (see LocalSandboxConfig)
@@ -93,7 +108,8 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
             unprivileged_uid=True, sandbox_uid=lease.uid, host_uid=lease.uid,
             # engine.seccomp_profile refuses CLONE_NEWUSER (tests/integration/
             # test_sandbox_redteam.py proves it on the real engine).
-            nested_userns_blocked=True, disk_limit_mb=disk_limit_mb)
+            nested_userns_blocked=True, disk_limit_mb=disk_limit_mb,
+            denied_syscalls=seccomp.denied_names())
 
     @classmethod
     async def create(cls, spec: SandboxSpec,
@@ -108,11 +124,14 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
                              "on this host; pass an existing folder or None for an empty workspace")
         image = await asyncio.to_thread(_resolve_image, engine, spec.image)
         root = config.root_dir or tempfile.gettempdir()
-        lease = HostUidLease.acquire(config.first_host_uid, config.num_host_uids, config.lease_dir)
+        lease = HostUidLease.acquire(config.first_host_uid, config.num_host_uids,
+                                     config.lease_dir, spec.role)
         sandbox_dir = None
         name = f"sluice-sandbox-{lease.uid}"  # unique while leased; --replace clears a stale one
         try:
-            await asyncio.to_thread(kill_all_of_uid, lease.uid)  # a crashed worker's leftovers
+            # A crashed worker's leftovers: processes, and keys it never cleared.
+            await asyncio.to_thread(kill_all_of_uid, lease.uid)
+            await asyncio.to_thread(clear_keyrings_of_uid, lease.uid)
             sandbox_dir = await asyncio.to_thread(
                 workspace.make_sandbox_dir, root, lease.uid, "sluice-csandbox-",
                 _identity_files(lease.uid))
@@ -219,6 +238,8 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
             log.error("sandbox uid %d not released: processes %s, container %s removed: %s",
                       self._lease.uid, survivors, self._container[:12], removed)
             return
+        # Only now that none of its processes runs (one could race the clearing child).
+        clear_keyrings_of_uid(self._lease.uid)
         self._lease.release()
 
 

@@ -12,7 +12,10 @@ must already be in local storage and gets nothing from the host but the workspac
 Nested user namespaces are blocked by a seccomp profile of our own (`seccomp_profile`):
 the engines' default profiles let an unprivileged process create a user namespace, in
 which it holds every capability (mounts, further namespaces), as bwrap's
---disable-userns forbids in the local backend.
+--disable-userns forbids in the local backend. The same profile fails the kernel channels
+between sandboxes that `envs.sandbox.seccomp` lists (the one list the local backend's
+filter is built from too): podman's default allows keyctl, and a container's processes
+share their host uid's keyrings with every later container of that uid.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import threading
 from dataclasses import dataclass
 
 from envs.owner import owner_tag
-from envs.sandbox import bwrap
+from envs.sandbox import bwrap, seccomp
 from envs.sandbox.base import WORKSPACE_MOUNT, SandboxLimits
 
 log = logging.getLogger(__name__)
@@ -49,11 +52,9 @@ _IMAGE_LOCK = "/run/sluice-sandbox-image.lock"  # one import at a time on a host
 SECCOMP_DEFAULT_PATHS = ("/usr/share/containers/seccomp.json", "/etc/containers/seccomp.json")
 CLONE_NEWUSER = 0x10000000
 _EPERM, _ENOSYS = 1, 38
-# Without a default profile to start from: allow all but these (most need capabilities
-# the containers never have; these do not, or widen the kernel's attack surface).
-_FALLBACK_DENIED = ("keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-                    "io_uring_setup", "io_uring_enter", "io_uring_register", "kexec_load",
-                    "open_by_handle_at", "setns", "mount", "umount2", "pivot_root", "chroot")
+# Without a default profile to start from: allow all but seccomp.DENIED_SYSCALLS and these
+# (they need capabilities the containers never have; denied for a second line).
+_FALLBACK_DENIED = ("setns", "mount", "umount2", "pivot_root", "chroot")
 _ENGINE_ENV_KEYS = ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_CONFIG", "CONTAINER_HOST",
                     "CONTAINERS_CONF", "CONTAINERS_STORAGE_CONF", "CONTAINERS_REGISTRIES_CONF")
 
@@ -255,19 +256,23 @@ def _without_userns_rules(names: tuple[str, ...]) -> list[dict]:
 
 def build_seccomp_profile(default: dict | None) -> dict:
     """The engine's default profile (a parsed seccomp.json) with nested user namespaces
-    blocked; None: a permissive profile denying `_FALLBACK_DENIED` and user namespaces."""
+    blocked and seccomp.DENIED_SYSCALLS failed; None: a permissive profile denying those,
+    `_FALLBACK_DENIED` and user namespaces. The calls ruled on here are taken out of every
+    rule of the default first: a second rule for one call would conflict with ours."""
     userns_calls = ("clone", "unshare")
+    denied = [*seccomp.profile_rules(), *_without_userns_rules(userns_calls)]
     if default is None:
         return {"defaultAction": "SCMP_ACT_ALLOW",
                 "syscalls": [{"names": list(_FALLBACK_DENIED), "action": "SCMP_ACT_ERRNO",
-                              "errnoRet": _EPERM}, *_without_userns_rules(userns_calls)]}
+                              "errnoRet": _EPERM}, *denied]}
+    ours = {name for rule in denied for name in rule["names"]}
     profile = dict(default)
     rules = []
     for rule in default.get("syscalls", []):
-        names = [n for n in rule.get("names", []) if n not in (*userns_calls, "clone3")]
+        names = [n for n in rule.get("names", []) if n not in ours]
         if names:
             rules.append({**rule, "names": names})
-    profile["syscalls"] = rules + _without_userns_rules(userns_calls)
+    profile["syscalls"] = rules + denied
     return profile
 
 
@@ -282,7 +287,8 @@ def seccomp_profile() -> str:
             break
     else:
         log.warning("no default seccomp profile in %s; containers get a permissive one that "
-                    "blocks user namespaces and %s", SECCOMP_DEFAULT_PATHS, _FALLBACK_DENIED)
+                    "blocks user namespaces, %s and %s", SECCOMP_DEFAULT_PATHS,
+                    seccomp.denied_names(), _FALLBACK_DENIED)
     path = os.path.join(_engine_cwd(), "seccomp.json")
     with open(path, "w") as f:
         json.dump(build_seccomp_profile(default), f)

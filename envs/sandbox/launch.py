@@ -40,13 +40,14 @@ class LaunchOutcome:
 
 async def run_launcher(argv: list[str], *, env: Mapping[str, str], stdin: str | None,
                        timeout_s: float, max_output_bytes: int, kill_tree: KillTree,
-                       exit_grace_s: float, label: str, cwd: str | None = None) -> LaunchOutcome:
+                       exit_grace_s: float, label: str, cwd: str | None = None,
+                       pass_fds: tuple[int, ...] = ()) -> LaunchOutcome:
     """Run `argv` (the launcher of one command) until it exits or `timeout_s` passes, in
-    `cwd` (None: this process's)."""
+    `cwd` (None: this process's), with `pass_fds` inherited (the others are closed)."""
     out, err = HeadTailBuffer(max_output_bytes), HeadTailBuffer(max_output_bytes)
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *argv, env=dict(env), start_new_session=True, cwd=cwd,
+        *argv, env=dict(env), start_new_session=True, cwd=cwd, pass_fds=pass_fds,
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:

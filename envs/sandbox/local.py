@@ -1,11 +1,22 @@
 """LocalSandbox: the sandbox backend that needs no container daemon. Each sandbox is a
 workspace folder on the host, its own unprivileged host uid and its own cgroups; each
 command runs in fresh bubblewrap namespaces (user, mount, pid, net, ipc, uts, cgroup)
-that see the read-only system runtime and the workspace at /workspace, nothing else.
+that see the read-only system runtime and the workspace at /workspace, nothing else,
+under the seccomp filter of `envs.sandbox.seccomp` (keyrings, io_uring, userfaultfd,
+perf, bpf, fanotify, the kernel log, x32 and foreign-architecture calls denied).
 
 The host side (this process) must be root: it hands each sandbox a uid, chowns the
 workspace to it and creates cgroups. Nothing of a sandbox runs between commands; its
 state is the workspace folder, which `snapshot`/`restore` save and load as tar files.
+Agent and grading sandboxes lease uids from separate halves of the range
+(SandboxSpec.role). Keyrings are per user namespace (since Linux 5.3), and each command
+gets a fresh one, so nothing a command could keep there outlives it; the filter denies
+the keyring calls anyway, and the uid's keyrings in the host's namespace are emptied at
+release for older kernels, where the user keyring was one per host uid.
+
+What a sandbox can still reach of the host's kernel: see envs.sandbox.seccomp (channels
+between sandboxes that run at the same time, through the shared read-only runtime and
+timing, remain; nothing of this class outlives a sandbox).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal, Self
 
-from envs.sandbox import bwrap, workspace
+from envs.sandbox import bwrap, seccomp, workspace
 from envs.sandbox.base import (
     WORKSPACE_MOUNT,
     ExecResult,
@@ -28,7 +39,13 @@ from envs.sandbox.base import (
     SandboxSpec,
 )
 from envs.sandbox.cgroups import SandboxCgroup
-from envs.sandbox.hostuid import HostUidLease, all_pids, kill_all_of_uid, live_of_uid
+from envs.sandbox.hostuid import (
+    HostUidLease,
+    all_pids,
+    clear_keyrings_of_uid,
+    kill_all_of_uid,
+    live_of_uid,
+)
 from envs.sandbox.launch import kill_launcher, run_launcher
 
 log = logging.getLogger(__name__)
@@ -42,8 +59,11 @@ class LocalSandboxConfig:
 
     root_dir: str | None = None  # parent of the sandbox folders; None: the system temp dir
     snapshot_dir: str | None = None  # where snapshot tars go; None: the system temp dir
-    first_host_uid: int = 1_200_000  # host uids [first, first + num) are leased to sandboxes
-    num_host_uids: int = 4096  # the most sandboxes alive at once on this host
+    # Host uids [first, first + num) are leased to sandboxes: the first half to agent
+    # sandboxes, the second to grading ones (SandboxSpec.role), so each role has
+    # num // 2 sandboxes alive at once at most on this host.
+    first_host_uid: int = 1_200_000
+    num_host_uids: int = 4096
     lease_dir: str = "/run/sluice-sandbox-uids"  # uid lease files, shared by all workers of a host
     # tmpfs: the workspace is a tmpfs of SandboxLimits.disk_mb, so it cannot fill the host
     # disk, but what the sandbox writes there counts against its memory limit. dir: a
@@ -74,7 +94,7 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
             cgroup_version=cgroup.version, cgroup_controllers=cgroup.controllers,
             rlimits=RLIMITS, unprivileged_uid=True, sandbox_uid=bwrap.SANDBOX_UID,
             host_uid=lease.uid, nested_userns_blocked=self._runtime.disable_userns,
-            disk_limit_mb=disk_limit_mb)
+            disk_limit_mb=disk_limit_mb, denied_syscalls=seccomp.denied_names())
 
     @classmethod
     async def create(cls, spec: SandboxSpec, config: LocalSandboxConfig | None = None) -> Self:
@@ -84,6 +104,7 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
                              "which needs root; run the sandbox worker as root (in its "
                              "container)")
         bwrap.detect_host_runtime()  # fails early, with the fix, when a tool is missing
+        seccomp.build_filter()  # and when this architecture has no system call table
         if spec.workdir != WORKSPACE_MOUNT:
             raise ValueError(f"LocalSandbox mounts the workspace at {WORKSPACE_MOUNT} only; "
                              f"SandboxSpec.workdir={spec.workdir!r} (a repository inside a "
@@ -98,10 +119,13 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
                              "on this host; pass an existing folder or None for an empty workspace")
         root = config.root_dir or tempfile.gettempdir()
         _check_traversable(root)
-        lease = HostUidLease.acquire(config.first_host_uid, config.num_host_uids, config.lease_dir)
+        lease = HostUidLease.acquire(config.first_host_uid, config.num_host_uids,
+                                     config.lease_dir, spec.role)
         sandbox_dir = None
         try:
             # A worker that crashed may have left processes, mounts and files of this uid.
+            # (Not keys: the commands' keyrings live in their own user namespaces, which
+            # die with them; the host's keyrings of the uid are emptied at release.)
             await asyncio.to_thread(kill_all_of_uid, lease.uid)
             pattern = os.path.join(glob.escape(root), f"sluice-sandbox-{lease.uid}-*")
             for stale in glob.glob(pattern):
@@ -138,16 +162,27 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
         async with self._ws.turn():
             return await self._run(argv, timeout_s, stdin)
 
-    async def _run(self, argv: list[str], timeout_s: float, stdin: str | None) -> ExecResult:
-        launcher = bwrap.build_command(
+    def launcher_argv(self, argv: list[str], seccomp_fd: int | None) -> list[str]:
+        """The launcher of one command as `exec` runs it, with the seccomp program read
+        from `seccomp_fd` (None leaves the filter out: only tests/bench/bench_seccomp.py
+        does, to price it)."""
+        return bwrap.build_command(
             self._runtime, host_uid=self._lease.uid, cgroup_procs=self._cgroup.procs_files(),
             limits=self._limits, memory_cgroup="memory" in self._cgroup.dirs,
-            workspace=self._workspace, etc_dir=self._etc, argv=argv)
-        oom_before = self._cgroup.oom_kills()
-        outcome = await run_launcher(
-            launcher, env=bwrap.LAUNCHER_ENV, stdin=stdin, timeout_s=timeout_s,
-            max_output_bytes=self._limits.max_output_bytes, kill_tree=self._kill_tree,
-            exit_grace_s=self._config.exit_grace_s, label=f"sandbox uid {self._lease.uid}")
+            workspace=self._workspace, etc_dir=self._etc, argv=argv, seccomp_fd=seccomp_fd)
+
+    async def _run(self, argv: list[str], timeout_s: float, stdin: str | None) -> ExecResult:
+        # A pipe per command: the program lives in this process's memory only.
+        seccomp_fd = seccomp.filter_pipe()
+        try:
+            oom_before = self._cgroup.oom_kills()
+            outcome = await run_launcher(
+                self.launcher_argv(argv, seccomp_fd), env=bwrap.LAUNCHER_ENV, stdin=stdin,
+                timeout_s=timeout_s, max_output_bytes=self._limits.max_output_bytes,
+                kill_tree=self._kill_tree, exit_grace_s=self._config.exit_grace_s,
+                label=f"sandbox uid {self._lease.uid}", pass_fds=(seccomp_fd,))
+        finally:
+            os.close(seccomp_fd)
         return outcome.to_result(oom_killed=self._cgroup.oom_kills() > oom_before)
 
     async def _kill_tree(self, proc: asyncio.subprocess.Process) -> None:
@@ -174,6 +209,8 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
             log.error("sandbox uid %d not released: processes %s, cgroups %s",
                       self._lease.uid, survivors, stuck)
             return
+        # Only now that none of its processes runs (one could race the clearing child).
+        clear_keyrings_of_uid(self._lease.uid)  # for kernels before 5.3 (module docstring)
         self._lease.release()
 
 
