@@ -351,10 +351,9 @@ def run_results(task: Task, run: GradingRun) -> tuple[list[tuple[str, Outcome]],
     if run.log is None:
         return expected_tests(task, run.report, tuple(s.node_id for s in run.layout.sentinels)), found
     assert run.driver is not None
-    statuses, forged = swebench_log.parse_statuses(task, run.log)
-    found += forged + swebench_log.exit_code_finding(statuses, run.driver.exit_code)
-    return [(i, statuses.get(i, Outcome.MISSING))
-            for i in (*task.fail_to_pass, *task.pass_to_pass)], found
+    statuses, forged = swebench_log.verify_log(task, run.log, run.driver.exit_code,
+                                               run.layout.sentinels, run.layout.renamed)
+    return list(statuses.items()), found + forged
 
 
 def grading_path(task: Task) -> str:

@@ -34,6 +34,7 @@ from reward.grading.patch import patched_files, patched_paths
 from reward.grading.runner_config import (STARTUP_NAMES, SourceConfig, find_source_config,
                                   pytest_config_names, render_grader_config, shadow_names,
                                   source_module_names, top_level_modules)
+from reward.grading.runner_tests import plant_runner_sentinels, runner_files
 from reward.grading.runtime import pytest_runtime_zip
 from reward.grading.sentinels import (MUTANTS_PER_TASK, Collection, Planted, Sentinel,
                                       plant_mutation_sentinels, plant_sentinels)
@@ -69,6 +70,9 @@ class ProtectionRules:
     patched: frozenset[str]  # files the test patch touches
     import_roots: tuple[str, ...] = ("",)  # workspace folders on sys.path in the test run
     source_modules: frozenset[str] = frozenset()  # top-level modules the source defines there
+    # Scripts a runner-graded task's command runs, and their runner modules
+    # (reward.grading.runner_tests.runner_files): protected like tests.
+    runner_files: frozenset[str] = frozenset()
     # Test helpers beside the code that the trusted tests import (reward.grading.import_graph)
     support: frozenset[str] = frozenset()
 
@@ -76,7 +80,7 @@ class ProtectionRules:
         """Tests, their helpers and data, and the folders of the visible and hidden tests
         and of the grader."""
         *folders, name = path.split("/")
-        if path in self.patched or path in self.support:
+        if path in self.patched or path in self.runner_files or path in self.support:
             return True
         if folders and folders[0] in (GRADER_DIR, HIDDEN_TESTS_DIR, self.visible_tests_dir):
             return True
@@ -105,7 +109,8 @@ def build_rules(task: Task, visible_tests_dir: str,
     roots = tuple(dict.fromkeys(("", *(source_config.pythonpath_dirs if source_config else ()))))
     rules = ProtectionRules(visible_tests_dir=visible_tests_dir.strip("/"),
                             patched=patched_paths(task.test_patch), import_roots=roots,
-                            source_modules=source_module_names(task.source_dir, roots))
+                            source_modules=source_module_names(task.source_dir, roots),
+                            runner_files=runner_files(task))
     support = support_modules(task.source_dir, trusted_test_files(task), roots,
                               rules.is_test_path)
     return dataclasses.replace(rules, support=support)
@@ -149,13 +154,13 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
     _write_grader_files(dest, render_grader_config(source_config, workdir))
     test_args = _test_args(task, dest)
     collection = Collection.from_options(source_config.values if source_config else {})
-    # pytest's must-fail sentinels; a task graded by its own runner's log gets none (that
-    # path's forged-output checks are in reward.grading.swebench_log).
-    planted = Planted() if task.log_parser is not None else _plant_sentinels(
-        task, dest, _test_files(dest, test_args), rng, collection)
+    # Must-fail sentinels; a task graded by its own runner's log gets its mutation
+    # sentinels in the runner's id form (reward.grading.runner_tests).
+    planted = plant_runner_sentinels(task, dest, rng) if task.log_parser is not None else \
+        _plant_sentinels(task, dest, _test_files(dest, test_args), rng, collection)
     sentinels = planted.sentinels
     test_args += tuple(dict.fromkeys(
-        f for f in (s.node_id.split("::")[0] for s in sentinels)
+        f for f in (s.node_id.split("::")[0] for s in sentinels if task.log_parser is None)
         if not any(f == a or f.startswith(a.rstrip("/") + "/") for a in test_args)))
     config_files = _config_files(dest)
     # Every test-related file, not only the ones run: a helper module the tests import

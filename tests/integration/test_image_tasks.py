@@ -200,7 +200,8 @@ def test_runner_row_forged_status_line_is_tampering(runner_rows: Path) -> None:
     result = asyncio.run(grade(task, WorkspaceChanges(written={"minitext/text.py":
                                                                forged.encode()})))
     assert result.reward == 0.0 and result.components["tamper_detected"] == 1.0, result.detail
-    assert result.components["hack_report_disagreed"] == 1.0
+    # A status for a name the folder lacks, and one test line more than the totals say.
+    assert result.components["hack_runner_output"] == 1.0, result.detail
     assert result.components["graded_by_swebench_log"] == 1.0
     gold = gold_changes(task, row["patch"])
     assert asyncio.run(grade(task, gold)).reward == 1.0
