@@ -7,9 +7,10 @@ import asyncio
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+import ray.exceptions
 
 from envs.pool import PoolStats, SandboxLease, build_sandbox_pool
 from envs.sandbox.base import ExecResult, SandboxSpec
@@ -17,8 +18,16 @@ from envs.sandbox.images import ImagePrewarm, prewarm_images
 from envs.types import WorkspaceChanges
 from envs.config import EnvsConfig
 
+if TYPE_CHECKING:
+    from ray.actor import ActorMethod
+    from ray.util.placement_group import PlacementGroup
 
-@ray.remote(max_concurrency=100_000)
+# Every sandbox call of the node's trajectories is in flight at once; the async actor queues
+# none of them (set at creation: Ray's typed decorator takes no actor options).
+MAX_CONCURRENCY = 100_000
+
+
+@ray.remote
 class SandboxPoolActor:
     def __init__(self, envs: EnvsConfig, name: str) -> None:
         self.pool = build_sandbox_pool(envs, name=name)
@@ -107,7 +116,7 @@ class RaySandboxProvider:
         return list(await asyncio.gather(*(_call(h.stats) for h in self.handles.values())))
 
 
-async def _call(method: Any, *args: Any) -> Any:
+async def _call(method: ActorMethod, *args: object) -> Any:  # Any: Ray types no actor method's result
     try:
         return await method.remote(*args)
     except ray.exceptions.RayTaskError as exc:
@@ -116,8 +125,8 @@ async def _call(method: Any, *args: Any) -> Any:
         raise
 
 
-async def start_sandbox_pools(envs: EnvsConfig, placement_group: Any | None = None,
-                              images: Sequence[str] = (), **actor_options: Any,
+async def start_sandbox_pools(envs: EnvsConfig, placement_group: PlacementGroup | None = None,
+                              images: Sequence[str] = (), **actor_options: object,
                               ) -> RaySandboxProvider:
     """Start `envs.num_sandbox_workers` pool actors (bundle i of the sandbox pool each, when
     given), make the task `images` present on each one's node (prewarm), wait for their
@@ -127,11 +136,13 @@ async def start_sandbox_pools(envs: EnvsConfig, placement_group: Any | None = No
     handles = {}
     for i in range(envs.num_sandbox_workers):
         name = f"sandbox-pool-{i}"
-        options: dict[str, Any] = {"num_cpus": envs.cpus_per_sandbox_worker, **actor_options}
+        options: dict[str, object] = {"num_cpus": envs.cpus_per_sandbox_worker,
+                                   "max_concurrency": MAX_CONCURRENCY, **actor_options}
         if placement_group is not None:  # the bundle reserves CPUs and the sandbox resource
             options.update(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=i))
-        handles[name] = SandboxPoolActor.options(**options).remote(envs, name)
+        # @ray.remote made the class an ActorClass; type checkers do not apply class decorators.
+        handles[name] = SandboxPoolActor.options(**options).remote(envs, name)  # pyrefly: ignore[missing-attribute]
     try:
         await asyncio.gather(*(h.start.remote(list(images)) for h in handles.values()))
     except ray.exceptions.RayTaskError as exc:

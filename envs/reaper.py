@@ -390,7 +390,7 @@ def _reap_ray_sessions(scope: ReapScope, report: ReapReport) -> None:
             continue
         members = list(ray_session_members(session_dir))
         for pid in members:
-            if _kill_pinned(pid, lambda p: _in_session(p, session_dir)):
+            if _kill_pinned(pid, lambda p, d=session_dir: _in_session(p, d)):
                 report.processes.append(f"pid {pid} (Ray session {os.path.basename(session_dir)})")
         report.ray_sessions.append(session_dir)
         forget_ray_session(record)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 from envs.plugins import BUILTINS, resolve_plugin
 from envs.pool import SandboxProvider
 from envs.tools.base import Tool, ToolClass, check_tool_class, needs_sandbox
 from envs.tools.sandbox_tools import SandboxSession, SandboxToolSettings
-from envs.types import Task, WorkspaceChanges
+from envs.types import JsonValue, Task, WorkspaceChanges
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class TrajectoryEnv:
         self.tools = {name: cls(self) for name, cls in self._tool_classes.items()}
 
     @property
-    def tool_schemas(self) -> list[Mapping[str, Any]]:
+    def tool_schemas(self) -> list[Mapping[str, JsonValue]]:
         return [t.schema for t in self.tools.values()]
 
     async def release(self) -> WorkspaceChanges | None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
@@ -21,6 +22,11 @@ from envs.plugins import check_plugin_name
 Role = Literal["system", "user", "assistant", "tool"]
 
 NO_VERSION = -1  # version tag of tokens the model did not generate (mask 0)
+
+# A JSON value as `json.loads` gives it: what crosses the JSON boundaries (tool-call
+# arguments from the model, tool schemas, chat-template messages). Read by narrowing.
+JsonValue: TypeAlias = "None | bool | int | float | str | Sequence[JsonValue] | Mapping[str, JsonValue]"
+JsonObject: TypeAlias = "Mapping[str, JsonValue]"
 
 
 class TerminationReason(str, enum.Enum):
@@ -37,9 +43,9 @@ class TerminationReason(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class ToolCall:
     name: str
-    arguments: Mapping[str, Any]
+    arguments: JsonObject
 
-    def to_template(self) -> dict[str, Any]:
+    def to_template(self) -> dict[str, Any]:  # Any: chat templates' free-form dicts
         """The OpenAI-style shape chat templates expect."""
         return {"type": "function", "function": {"name": self.name, "arguments": dict(self.arguments)}}
 
@@ -62,7 +68,7 @@ class Message:
         if self.reasoning is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry reasoning")
 
-    def to_template(self) -> dict[str, Any]:
+    def to_template(self) -> dict[str, Any]:  # Any: chat templates' free-form dicts
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             out["tool_calls"] = [c.to_template() for c in self.tool_calls]

@@ -473,7 +473,6 @@ def build_drop_bias(series: Series, events: Events) -> Panel | None:
     """Staleness of the trained trajectories by their turns and length and, where the
     inputs count stale drops by turns and length, the share dropped per turn count: long
     trajectories are the stale ones, so the bound drops them first."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     spans = [s for ss in trajectories_by_step(events.turns).values() for s in ss

@@ -20,9 +20,12 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from envs.types import Message, Task
+
+# One task row as read: a JSON object (or a parquet row), every value checked by the
+# get_* readers below before it reaches a Task.
+Row = Mapping[str, object]
 
 FIELDS = ("id", "prompt", "messages", "system", "tools", "answer", "agent_loop", "source_dir",
           "image", "visible_tests", "hidden_tests", "test_patch", "fail_to_pass",
@@ -48,7 +51,7 @@ class RowRef:
 
 
 def read_rows(path: str, on_error: Callable[[ValueError], None] | None = None,
-              ) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
+              ) -> Iterator[tuple[RowRef, Row]]:
     """The rows of a .jsonl / .json (one object per line) or .parquet file, or of a folder
     written by `datasets`' save_to_disk. A line that is not a JSON object raises, or with
     `on_error` is handed to it and skipped."""
@@ -81,7 +84,7 @@ def read_rows(path: str, on_error: Callable[[ValueError], None] | None = None,
             on_error(problem)
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
+def _parquet_rows(path: str) -> Iterator[tuple[RowRef, Row]]:
     try:
         import datasets  # deferred: heavy, and only parquet sources need it
     except ImportError as exc:
@@ -89,10 +92,11 @@ def _parquet_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
                          "(pip install datasets) or convert the file to JSONL") from exc
     table = datasets.Dataset.from_parquet(path)
     for i, row in enumerate(table, 1):
+        assert isinstance(row, dict)  # a Dataset yields one dict per row
         yield RowRef(path, i), _present(row)
 
 
-def _dataset_folder_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]]:
+def _dataset_folder_rows(path: str) -> Iterator[tuple[RowRef, Row]]:
     try:
         import datasets  # deferred: heavy, and only datasets folders need it
     except ImportError as exc:
@@ -104,30 +108,32 @@ def _dataset_folder_rows(path: str) -> Iterator[tuple[RowRef, Mapping[str, Any]]
         raise ValueError(f"folder {path!r} is not a datasets save_to_disk folder ({exc}); "
                          "pass such a folder or a .jsonl/.parquet file") from None
     if isinstance(loaded, datasets.DatasetDict):
-        if len(loaded) != 1:
-            raise ValueError(f"datasets folder {path!r} holds the splits {sorted(loaded)}; pass "
-                             f"one split's folder, e.g. {os.path.join(path, sorted(loaded)[0])}")
+        splits = sorted(str(name) for name in loaded)
+        if len(splits) != 1:
+            raise ValueError(f"datasets folder {path!r} holds the splits {splits}; pass "
+                             f"one split's folder, e.g. {os.path.join(path, splits[0])}")
         loaded = next(iter(loaded.values()))
     for i, row in enumerate(loaded, 1):
+        assert isinstance(row, dict)  # a Dataset yields one dict per row
         yield RowRef(path, i), _present(row)
 
 
-def _present(row: Mapping[str, Any]) -> dict[str, Any]:
+def _present(row: Mapping[str, object]) -> dict[str, object]:
     """The row without null fields: a null is an absent field (parquet gives every row
     every column, null where a row has none)."""
     return {k: v for k, v in row.items() if v is not None}
 
 
-def check_fields(ref: RowRef, row: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+def check_fields(ref: RowRef, row: Row, allowed: tuple[str, ...]) -> None:
     unknown = [k for k in row if k not in allowed]
     if unknown:
         key = unknown[0]
-        close = difflib.get_close_matches(str(key), allowed, n=1)
+        close = difflib.get_close_matches(key, allowed, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"valid fields: {', '.join(allowed)}"
-        raise ref.error(str(key), f"unknown field; {hint}")
+        raise ref.error(key, f"unknown field; {hint}")
 
 
-def get_str(ref: RowRef, row: Mapping[str, Any], field: str, required: bool = False) -> str | None:
+def get_str(ref: RowRef, row: Row, field: str, required: bool = False) -> str | None:
     value = row.get(field)
     if value is None:
         if required:
@@ -138,7 +144,7 @@ def get_str(ref: RowRef, row: Mapping[str, Any], field: str, required: bool = Fa
     return value
 
 
-def get_str_list(ref: RowRef, row: Mapping[str, Any], field: str) -> tuple[str, ...]:
+def get_str_list(ref: RowRef, row: Row, field: str) -> tuple[str, ...]:
     """A list of strings; a JSON-encoded list inside a string (SWE-bench's form) too."""
     value = row.get(field)
     if value is None:
@@ -154,7 +160,7 @@ def get_str_list(ref: RowRef, row: Mapping[str, Any], field: str) -> tuple[str, 
     return tuple(value)
 
 
-def get_folder(ref: RowRef, row: Mapping[str, Any], field: str) -> str | None:
+def get_folder(ref: RowRef, row: Row, field: str) -> str | None:
     value = get_str(ref, row, field)
     if value is None:
         return None
@@ -165,7 +171,7 @@ def get_folder(ref: RowRef, row: Mapping[str, Any], field: str) -> str | None:
     return os.path.abspath(path)
 
 
-def get_messages(ref: RowRef, row: Mapping[str, Any]) -> tuple[Message, ...]:
+def get_messages(ref: RowRef, row: Row) -> tuple[Message, ...]:
     if ("prompt" in row) == ("messages" in row):
         raise ref.error(None, "give exactly one of 'prompt' (a string) or 'messages' (a list)")
     if "prompt" in row:
@@ -188,7 +194,7 @@ def get_messages(ref: RowRef, row: Mapping[str, Any]) -> tuple[Message, ...]:
     return tuple(messages)
 
 
-def task_from_row(ref: RowRef, row: Mapping[str, Any]) -> Task:
+def task_from_row(ref: RowRef, row: Row) -> Task:
     """A Task from a row of the format in the module docstring."""
     check_fields(ref, row, FIELDS)
     task_id = get_str(ref, row, "id", required=True)

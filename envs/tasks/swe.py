@@ -15,11 +15,11 @@ Row fields (SWE-bench's names; others such as the gold `patch`, `hints_text`, `v
 
 The published variants read the same way (FIELD_ALIASES): SWE-Gym uses SWE-bench's names;
 SWE-smith rows name their image in `image_name` and carry no `test_patch` (the bug is
-injected, the repository's own tests catch it; a local row says so with "test_patch": ""); R2E-Gym rows use `docker_image`,
-`repo_name` and `commit_hash`. A row's image becomes Task.image. A row with an image and
-no local repository folder, or with a `workdir` (ours: where the image keeps the
-repository), is an image-only task (source_dir None, Task.workdir = `workdir`, default
-IMAGE_WORKDIR): its repository lives in the image, and the container backend seeds the
+injected, the repository's own tests catch it; a local row says so with "test_patch": "");
+R2E-Gym rows use `docker_image`, `repo_name` and `commit_hash`. A row's image becomes
+Task.image. A row with an image and no local repository folder, or with a `workdir` (ours:
+where the image keeps the repository), is an image-only task (source_dir None,
+Task.workdir = `workdir`, default IMAGE_WORKDIR): its repository lives in the image, and the container backend seeds the
 workspace from there and mounts it at that path (envs.sandbox.images); the prompt names
 that path.
 
@@ -41,11 +41,10 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
-from typing import Any
 
 from envs.cache import build_once
 from envs.sandbox.base import WORKSPACE_MOUNT
-from envs.tasks.rows import RowRef, get_str, get_str_list
+from envs.tasks.rows import Row, RowRef, get_str, get_str_list
 from envs.types import Message, Task
 
 SWE_TOOLS = ("bash", "read_file", "write_file", "str_replace", "submit")
@@ -67,11 +66,11 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-def is_swe_row(row: Mapping[str, Any]) -> bool:
+def is_swe_row(row: Row) -> bool:
     return "problem_statement" in row and ("instance_id" in row or "docker_image" in row)
 
 
-def _alias(ref: RowRef, row: Mapping[str, Any], name: str) -> str | None:
+def _alias(ref: RowRef, row: Row, name: str) -> str | None:
     for field in FIELD_ALIASES[name]:
         value = get_str(ref, row, field)
         if value is not None:
@@ -94,13 +93,14 @@ def test_command_from_eval_script(script: str) -> str | None:
     return "\n".join(lines[start + 1:end]).strip() or None
 
 
-def _runner(ref: RowRef, row: Mapping[str, Any]) -> tuple[str | None, str | None]:
+def _runner(ref: RowRef, row: Row) -> tuple[str | None, str | None]:
     """(test command, swebench log parser) of a row graded by its repository's own runner:
     `test_cmd` (ours) or SWE-bench's `eval_script`; the parser from `log_parser`, else the
     one swebench maps the row's `repo` to. (None, None) for a pytest-node-id row."""
     command = get_str(ref, row, "test_cmd")
-    if command is None and get_str(ref, row, "eval_script") is not None:
-        command = test_command_from_eval_script(row["eval_script"])
+    eval_script = get_str(ref, row, "eval_script")
+    if command is None and eval_script is not None:
+        command = test_command_from_eval_script(eval_script)
         if command is None:
             raise ref.error("eval_script", f"has no test command between the "
                             f"{START_TEST_OUTPUT!r} and {END_TEST_OUTPUT!r} markers")
@@ -123,7 +123,7 @@ def _runner(ref: RowRef, row: Mapping[str, Any]) -> tuple[str | None, str | None
     return command, parser
 
 
-def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Task:
+def swe_task_from_row(ref: RowRef, row: Row, cache_dir: str) -> Task:
     image = _alias(ref, row, "image")
     # R2E-Gym rows have no instance id: their image names the instance.
     instance_id = get_str(ref, row, "instance_id", required="docker_image" not in row) or image
@@ -168,7 +168,7 @@ def swe_task_from_row(ref: RowRef, row: Mapping[str, Any], cache_dir: str) -> Ta
         raise ref.error(None, str(exc)) from None
 
 
-def _repo_dir(ref: RowRef, row: Mapping[str, Any], optional: bool = False) -> str | None:
+def _repo_dir(ref: RowRef, row: Row, optional: bool = False) -> str | None:
     """The local repository folder; None for an image-only row (`optional`) that names
     none and has none at the default place."""
     value = get_str(ref, row, "repo_dir")

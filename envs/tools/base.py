@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from envs.trajectory_env import TrajectoryEnv
+from envs.types import JsonObject, JsonValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +42,11 @@ class Tool(Protocol):
     name: str
 
     @property
-    def schema(self) -> Mapping[str, Any]:
+    def schema(self) -> Mapping[str, JsonValue]:
         """OpenAI function schema: {"type": "function", "function": {name, description, parameters}}."""
         ...
 
-    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult: ...
+    async def execute(self, arguments: JsonObject) -> ToolResult: ...
 
 
 # Builds one trajectory's instance of a tool from that trajectory's environment.
@@ -73,13 +74,14 @@ def check_tool_class(name: str, tool_class: Any) -> None:
         if not isinstance(schema, Mapping) or schema.get("type") != "function":
             raise ValueError(f"tool {name!r}: {tool_class.__name__}.schema must be an OpenAI "
                              "function schema (envs.tools.base.function_schema builds one)")
-        if not inspect.iscoroutinefunction(getattr(tool_class, "execute", None)):
+        execute = getattr(tool_class, "execute", None)
+        if not inspect.iscoroutinefunction(execute):
             raise ValueError(f"tool {name!r}: {tool_class.__name__} needs "
                              "`async def execute(self, arguments) -> ToolResult`")
 
 
-def function_schema(name: str, description: str, properties: Mapping[str, Any],
-                    required: tuple[str, ...] = ()) -> dict[str, Any]:
+def function_schema(name: str, description: str, properties: Mapping[str, JsonValue],
+                    required: tuple[str, ...] = ()) -> dict[str, JsonValue]:
     """An OpenAI function schema with a closed set of arguments."""
     return {"type": "function", "function": {
         "name": name, "description": description,

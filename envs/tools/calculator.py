@@ -8,23 +8,25 @@ from __future__ import annotations
 
 import ast
 import operator
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from envs.tools.base import ToolResult, function_schema
+from envs.types import JsonObject
 
 if TYPE_CHECKING:
     from envs.trajectory_env import TrajectoryEnv
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+Number = int | float
+_BINARY: dict[type[ast.operator], Callable[[Number, Number], Number]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY: dict[type[ast.unaryop], Callable[[Number], Number]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 64
 MAX_EXPRESSION_CHARS = 200
 
 
-def evaluate_arithmetic(expression: str) -> int | float:
+def evaluate_arithmetic(expression: str) -> Number:
     """Value of an arithmetic expression; ValueError says what is not allowed."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
@@ -35,9 +37,10 @@ def evaluate_arithmetic(expression: str) -> int | float:
     return _eval(tree.body)
 
 
-def _eval(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+def _eval(node: ast.AST) -> Number:
+    value = node.value if isinstance(node, ast.Constant) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -59,7 +62,7 @@ class CalculatorTool:
     def __init__(self, env: "TrajectoryEnv | None" = None) -> None:
         pass  # in-process: needs nothing of the trajectory's environment
 
-    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def execute(self, arguments: JsonObject) -> ToolResult:
         try:
             return ToolResult(str(evaluate_arithmetic(str(arguments["expression"]))))
         except ValueError as exc:

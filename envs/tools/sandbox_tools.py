@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from envs.pool import (SANDBOX_FAULT_EXIT_CODE, SandboxLease, SandboxProvider,
                        SandboxUnavailableError)
@@ -33,7 +33,7 @@ from envs.sandbox.changes import MAX_CHANGED_BYTES
 from envs.sandbox.images import task_source_dir
 from envs.sandbox.output import split_budget
 from envs.tools.base import ToolResult, function_schema
-from envs.types import Task, WorkspaceChanges
+from envs.types import JsonObject, JsonValue, Task, WorkspaceChanges
 from envs.config import EnvsConfig
 
 if TYPE_CHECKING:
@@ -269,11 +269,21 @@ def workspace_relative(path: str, workdir: str = WORKSPACE_MOUNT) -> str:
     return path[len(prefix):] if path.startswith(prefix) else path
 
 
-def _str_arg(arguments: Mapping[str, Any], key: str) -> str:
+def _str_arg(arguments: JsonObject, key: str) -> str:
     value = arguments.get(key)
     if not isinstance(value, str):
         raise ValueError(f"argument {key!r} must be a string")
     return value
+
+
+def _int_arg(arguments: JsonObject, key: str) -> int | None:
+    """An optional integer argument; a numeric string (as some models write) is read too."""
+    value = arguments.get(key)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ValueError(f"argument {key!r} must be an integer, got {value!r}")
 
 
 def _decode_text(data: bytes, path: str) -> str:
@@ -292,7 +302,7 @@ class _SandboxTool:
     files, a sandbox that is gone) become error results the model can act on."""
 
     name: ClassVar[str]
-    schema: ClassVar[dict[str, Any]]
+    schema: ClassVar[dict[str, JsonValue]]
     needs_sandbox: ClassVar[bool] = True
 
     def __init__(self, env: "TrajectoryEnv") -> None:
@@ -301,13 +311,13 @@ class _SandboxTool:
                              "environment has none (no sandbox pool was given)")
         self.session = env.sandbox
 
-    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def execute(self, arguments: JsonObject) -> ToolResult:
         try:
             return await self._run(arguments)
         except (ValueError, OSError, SandboxUnavailableError) as exc:
             return ToolResult(f"Error: {exc}", is_error=True)
 
-    async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def _run(self, arguments: JsonObject) -> ToolResult:
         raise NotImplementedError
 
 
@@ -320,7 +330,7 @@ class BashTool(_SandboxTool):
         {"command": {"type": "string", "description": "The command, e.g. `ls -la`."}},
         required=("command",))
 
-    async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def _run(self, arguments: JsonObject) -> ToolResult:
         command = _str_arg(arguments, "command")
         return self.session.observe(await self.session.exec(["bash", "-c", command]))
 
@@ -332,7 +342,7 @@ class PythonTool(_SandboxTool):
         {"code": {"type": "string", "description": "The program's source code."}},
         required=("code",))
 
-    async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def _run(self, arguments: JsonObject) -> ToolResult:
         # Through stdin: no size limit of one argv entry, and no file left behind.
         result = await self.session.exec(["python3", "-"], stdin=_str_arg(arguments, "code"))
         return self.session.observe(result)
@@ -348,7 +358,7 @@ class ReadFileTool(_SandboxTool):
          "end_line": {"type": "integer", "description": "Last line to show (default: the end)."}},
         required=("path",))
 
-    async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def _run(self, arguments: JsonObject) -> ToolResult:
         path = workspace_relative(_str_arg(arguments, "path"), self.session.workdir)
         lines = _decode_text(await self.session.read_file(path), path).splitlines()
         if not lines:
@@ -357,9 +367,9 @@ class ReadFileTool(_SandboxTool):
         return ToolResult(self.session.truncate(_numbered(lines[start - 1:end], start)))
 
 
-def _line_range(arguments: Mapping[str, Any], num_lines: int, path: str) -> tuple[int, int]:
-    start = int(arguments.get("start_line") or 1)
-    end = int(arguments.get("end_line") or num_lines)
+def _line_range(arguments: JsonObject, num_lines: int, path: str) -> tuple[int, int]:
+    start = _int_arg(arguments, "start_line") or 1
+    end = _int_arg(arguments, "end_line") or num_lines
     if start > num_lines:
         raise ValueError(f"start_line={start} is past the end of {path} ({num_lines} lines)")
     if start < 1 or end < start:
@@ -376,7 +386,7 @@ class WriteFileTool(_SandboxTool):
          "content": {"type": "string", "description": "The complete new content."}},
         required=("path", "content"))
 
-    async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def _run(self, arguments: JsonObject) -> ToolResult:
         path = workspace_relative(_str_arg(arguments, "path"), self.session.workdir)
         data = _str_arg(arguments, "content").encode()
         await self.session.write_file(path, data)
@@ -394,7 +404,7 @@ class StrReplaceTool(_SandboxTool):
          "new": {"type": "string", "description": "Replacement text."}},
         required=("path", "old", "new"))
 
-    async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def _run(self, arguments: JsonObject) -> ToolResult:
         path = workspace_relative(_str_arg(arguments, "path"), self.session.workdir)
         old, new = _str_arg(arguments, "old"), _str_arg(arguments, "new")
         if not old:
@@ -443,7 +453,7 @@ class RunTestsTool(_SandboxTool):
     schema = function_schema("run_tests", "Run the task's visible tests and show the results.",
                              {})
 
-    async def _run(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def _run(self, arguments: JsonObject) -> ToolResult:
         if not self.session.has_visible_tests:
             return ToolResult("Error: this task has no visible tests to run.", is_error=True)
         s = self.session.settings
@@ -461,5 +471,5 @@ class SubmitTool:
     def __init__(self, env: "TrajectoryEnv | None" = None) -> None:
         pass
 
-    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def execute(self, arguments: JsonObject) -> ToolResult:
         return ToolResult("Submitted.", ends_trajectory=True)

@@ -8,10 +8,13 @@ already checked against the schema, and returns the observation as a ToolResult.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from envs.tools.base import ToolResult, function_schema
+from envs.types import JsonObject
+
+if TYPE_CHECKING:
+    from envs.trajectory_env import TrajectoryEnv
 
 # Price of one item, in coins. tasks.jsonl's answers are computed from this table.
 PRICES = {"apple": 3, "pear": 5, "lemon": 2, "melon": 12, "plum": 4, "mango": 7}
@@ -23,10 +26,10 @@ class PriceTool:
                              {"item": {"type": "string", "description": "e.g. apple"}},
                              required=("item",))
 
-    def __init__(self, env: Any) -> None:
+    def __init__(self, env: TrajectoryEnv) -> None:
         self.task_id = env.task.id  # unused here; a tool may read its trajectory's task
 
-    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def execute(self, arguments: JsonObject) -> ToolResult:
         item = str(arguments["item"]).strip().lower().removesuffix("s")
         if item not in PRICES:
             # An expected failure is a result the model can act on, not an exception.

@@ -1,7 +1,7 @@
 """Code-habit densities over the package sources: run by hand, prints a table.
 
 Counts what STYLE.md asks to keep rare (``Any``, broad ``except``, three-argument
-``getattr`` duck typing, ``# type: ignore``) per 1,000 lines, so a round's drift is a
+``getattr`` duck typing, ``# type: ignore`` / ``# pyrefly: ignore``) per 1,000 lines, so a round's drift is a
 number rather than an impression. Usage::
 
     python tests/bench/code_densities.py [ROOT ...]
@@ -50,7 +50,7 @@ def _comment_lines(source: str) -> set[int]:
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
             lines.add(token.start[0])
-            if "type: ignore" in token.string:
+            if "type: ignore" in token.string or "pyrefly: ignore" in token.string:
                 lines.add(-token.start[0])  # negative marks a type-ignore comment
     return lines
 
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("roots", nargs="*", type=Path, default=[Path(__file__).resolve().parents[2]])
     parser.add_argument("--files", action="store_true", help="also list each file's counts (first root)")
     args = parser.parse_args()
-    header = ("tree", "files", "lines", "Any", "broad except", "  no reason", "getattr(x,'n',d)", "type: ignore")
+    header = ("tree", "files", "lines", "Any", "broad except", "  no reason", "getattr(x,'n',d)", "ignore")
     rows = []
     for root in args.roots:
         c = count_tree(root)
