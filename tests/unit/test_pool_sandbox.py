@@ -4,6 +4,7 @@ eviction, crash recovery from snapshots, and the stats it reports."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -11,7 +12,8 @@ import pytest
 
 from envs.pool import (SANDBOX_FAULT_EXIT_CODE, DurationRecorder, SandboxPool,
                        SandboxUnavailableError, build_sandbox_pool)
-from envs.sandbox.base import ExecResult, SandboxCapabilities, SandboxLimits, SandboxSpec, Snapshot
+from envs.sandbox.base import (ExecResult, SandboxCapabilities, SandboxLimits, SandboxRole,
+                               SandboxSpec, Snapshot)
 from trainer.run.config import EnvsConfig
 
 GENERIC = SandboxSpec()
@@ -149,7 +151,9 @@ async def test_start_fills_the_warm_pool_and_generic_acquires_take_from_it() -> 
     await wait_until(lambda: pool.stats().num_warm == 2)  # refilled in the background
     stats = pool.stats()
     assert (stats.num_in_use, stats.num_warm_hits, backend.alive) == (1, 1, 3)
-    assert first_warm.spec == GENERIC and not first_warm.released
+    # The pool's sandboxes are the policy's: stamped AGENT (their own half of the uids).
+    assert first_warm.spec == dataclasses.replace(GENERIC, role=SandboxRole.AGENT)
+    assert not first_warm.released
     await pool.close()
     assert backend.alive == 0
 
