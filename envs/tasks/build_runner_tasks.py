@@ -1,6 +1,6 @@
 """A small repository that is not graded by pytest, and SWE-bench-format rows for it:
 
-    python -m envs.tasks.build_runner_tasks OUT_DIR [--images]
+    python -m envs.tasks.build_runner_tasks OUT_DIR [--images] [--runner bin/test]
 
 The repository (`minitext`, a few text helpers) has django's layout: the package at the
 top, tests as modules of app folders under tests/, and its own runner `tests/runtests.py`
@@ -12,6 +12,11 @@ regression tests that catch it (FAIL_TO_PASS), the existing tests are PASS_TO_PA
 `patch` is the fix, `eval_script` runs the runner between SWE-bench's markers and
 `log_parser` names the parser. FAIL_TO_PASS / PASS_TO_PASS are found by running the
 runner here and reading its output with that same parser.
+
+`--runner bin/test` makes the rows run the suite the way sympy's do, through a script
+outside the test folders (`bin/test`, which imports its sibling `bin/suite_paths.py`
+and then the runner): the shape whose script grading must protect by the command
+itself (reward.grading.runner_tests), since no folder name marks it as a test file.
 
 With --images each row also gets its own image (envs.tasks.images: base + the repository
 at the base commit at /testbed, no dependencies) and `"workdir": "/testbed"`.
@@ -37,6 +42,7 @@ log = logging.getLogger(__name__)
 REPO = "sluice-examples/minitext"
 LOG_PARSER = "parse_log_django"
 TEST_MODULES = ("text_tests.tests", "text_tests.test_regressions")
+RUNNERS = ("tests/runtests.py", "bin/test")  # the scripts a row's command may run
 TEST_COMMAND = "python3 tests/runtests.py --verbosity 2 " + " ".join(TEST_MODULES)
 REGRESSIONS = "tests/text_tests/test_regressions.py"
 
@@ -141,6 +147,30 @@ if __name__ == "__main__":
     sys.exit(main())
 '''
 
+BIN_TEST = '''#!/usr/bin/env python3
+"""Runs the test suite from the repository root, as sympy's bin/test does:
+bin/test [--verbosity N] LABEL..."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from suite_paths import runner_dir  # noqa: E402
+
+sys.path.insert(0, runner_dir())
+import runtests  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(runtests.main())
+'''
+
+SUITE_PATHS = '''"""Where bin/test finds the runner."""
+import os
+
+
+def runner_dir():
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+'''
+
 
 @dataclass(frozen=True, slots=True)
 class RunnerBug:
@@ -198,14 +228,21 @@ def new_file_patch(path: str, text: str) -> str:
             f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n{body}")
 
 
-def eval_script(base_commit: str, test_patch: str) -> str:
+def test_command(runner: str = RUNNERS[0]) -> str:
+    """The rows' test command through the runner script `runner` (one of RUNNERS)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner {runner!r} is not one of {RUNNERS}")
+    return f"python3 {runner} --verbosity 2 " + " ".join(TEST_MODULES)
+
+
+def eval_script(base_commit: str, test_patch: str, command: str = TEST_COMMAND) -> str:
     """SWE-bench 5.x's eval_script shape: reset the test files, apply the test patch, run
     the tests between the markers, reset again."""
     return "\n".join([
         "#!/bin/bash", "set -uxo pipefail", "cd /testbed",
         f"git checkout {base_commit} {REGRESSIONS} 2>/dev/null || rm -f {REGRESSIONS}",
         "git apply -v - <<'EOF_114329324912'", test_patch.rstrip("\n"), "EOF_114329324912",
-        ": '>>>>> Start Test Output'", TEST_COMMAND, ": '>>>>> End Test Output'",
+        ": '>>>>> Start Test Output'", command, ": '>>>>> End Test Output'",
         f"rm -f {REGRESSIONS}"])
 
 
@@ -219,6 +256,7 @@ def _git(repo: str, *args: str) -> str:
 def write_release(repo: str) -> None:
     files = {"minitext/__init__.py": "", "minitext/text.py": TEXT,
              "tests/__init__.py": "", "tests/runtests.py": RUNTESTS,
+             "bin/test": BIN_TEST, "bin/suite_paths.py": SUITE_PATHS,
              "tests/text_tests/__init__.py": "", "tests/text_tests/tests.py": EXISTING_TESTS,
              "README.md": "minitext: text helpers. Run the tests with "
                           "`python3 tests/runtests.py --verbosity 2 text_tests.tests`.\n"}
@@ -226,7 +264,8 @@ def write_release(repo: str) -> None:
         os.makedirs(os.path.dirname(os.path.join(repo, rel)), exist_ok=True)
         with open(os.path.join(repo, rel), "w", encoding="utf-8") as f:
             f.write(text)
-    os.chmod(os.path.join(repo, "tests/runtests.py"), 0o755)
+    for script in RUNNERS:
+        os.chmod(os.path.join(repo, script), 0o755)
 
 
 def run_statuses(tree: str, python: str) -> dict[str, str]:
@@ -236,11 +275,13 @@ def run_statuses(tree: str, python: str) -> dict[str, str]:
     proc = subprocess.run([python, "tests/runtests.py", "--verbosity", "2", *TEST_MODULES],
                           cwd=tree, capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
-    return PARSER_REGISTRY[LOG_PARSER](proc.stdout + proc.stderr, None)
+    # swebench types every parser's test spec as required; django's never reads it.
+    return PARSER_REGISTRY[LOG_PARSER](proc.stdout + proc.stderr, None)  # pyrefly: ignore[bad-argument-type]
 
 
 def build_runner_tasks(out_dir: str, images: bool = False, python: str = "/usr/bin/python3",
-                       ) -> list[dict]:
+                       runner: str = RUNNERS[0]) -> list[dict]:
+    command = test_command(runner)
     repo = os.path.join(out_dir, "repos", REPO.replace("/", "__"))
     if os.path.exists(repo):
         raise ValueError(f"{repo} exists; pass an empty OUT_DIR")
@@ -282,7 +323,7 @@ def build_runner_tasks(out_dir: str, images: bool = False, python: str = "/usr/b
             "FAIL_TO_PASS": json.dumps(f2p), "PASS_TO_PASS": json.dumps(p2p),
             "version": "0.1", "environment_setup_commit": pristine,
             "problem_statement": bug.issue, "hints_text": "", "created_at": "2000-01-01",
-            "eval_script": eval_script(base, test_patch), "log_parser": LOG_PARSER,
+            "eval_script": eval_script(base, test_patch, command), "log_parser": LOG_PARSER,
             "eval_type": "pass_and_fail"})
         log.info("%s: %s, %d F2P, %d P2P", instance_id, bug.function, len(f2p), len(p2p))
     _git(repo, "checkout", "-q", pristine)
@@ -312,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--images", action="store_true", help="one podman image per row")
+    parser.add_argument("--runner", default=RUNNERS[0], choices=RUNNERS,
+                        help="the script the rows' command runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.monotonic()
-    rows = build_runner_tasks(args.out_dir, images=args.images)
+    rows = build_runner_tasks(args.out_dir, images=args.images, runner=args.runner)
     print(f"{len(rows)} rows in {os.path.join(args.out_dir, 'tasks.jsonl')} "
           f"({time.monotonic() - start:.0f}s)")
     return 0

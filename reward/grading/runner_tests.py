@@ -3,12 +3,15 @@ reward.grading.swebench_log): which workspace files the test command runs, so gr
 protects them, and the mutation sentinels planted among the runner's tests.
 
 Runner files: the scripts the command names (`tests/runtests.py`, `bin/test`,
-`./runtests.py`, `python -m pkg.runner`, also after a `cd`), and the repository modules
-those scripts import that sit beside them or have a test-like name (`test`, `tests`,
-`testing`, `runtests`, `runner` in the dotted name): the agent's versions are dropped and
-the files hashed before and after the run (reward.grading.prepare). One level of imports
-only: a runner's deeper imports are the code under test itself (django's runtests.py
-imports django), which the agent must be able to change.
+`./runtests.py`, `python -m pkg.runner`, also after a `cd`), the module paths beside a
+script that it imports (whether the source has them or not: one the agent adds there
+would shadow), and the repository modules with a test-like name (`test`, `tests`,
+`testing`, `runtests`, `runner` in the dotted name) the scripts import: the agent's
+versions are dropped and the files hashed before and after the run
+(reward.grading.prepare). One level of imports only: a runner's deeper imports are the
+code under test itself (django's runtests.py imports django), which the agent must be
+able to change; a runner that finds its modules by computed names or after changing
+sys.path to other folders is protected only as far as those static imports show.
 
 Mutation sentinels: reward.grading.sentinels' mutation sentinels, planted in the files of
 the expected tests (unittest methods; the fail-to-pass ones first): each chosen test
@@ -99,11 +102,15 @@ def _relative(word: str, cwd: str, workdir: str) -> str | None:
     return None if path.startswith("..") or path == "." else path
 
 
-def _join(cwd: str, path: str) -> str:
-    return os.path.normpath(os.path.join(cwd, path)) if cwd else os.path.normpath(path)
+def _join(cwd: str, *parts: str) -> str:
+    return os.path.normpath(os.path.join(cwd, *parts)) if cwd else os.path.normpath(
+        os.path.join(*parts))
 
 
 def _imported_runner_modules(source: str, script: str) -> set[str]:
+    """The runner modules `script` imports: beside it (a module the agent adds there
+    would be imported in place of a missing one, so those paths count even where the
+    source has no file), or test-named anywhere in the repository."""
     full = os.path.join(source, script)
     if not os.path.isfile(full) or os.path.islink(full):
         return set()
@@ -116,14 +123,12 @@ def _imported_runner_modules(source: str, script: str) -> set[str]:
     found = set()
     for module in _imported_modules(tree):
         parts = module.split(".")
-        if folder and _module_file(source, os.path.join(folder, parts[0])):
-            rel = _module_file(source, os.path.join(folder, *parts))  # beside the script
-        elif _TEST_WORDS & set(parts) or any(p.startswith("test") for p in parts):
+        if folder:  # a script at the top sits beside the code under test: not there
+            found |= {_join(folder, *parts[:-1], f"{parts[-1]}.py"),
+                      _join(folder, *parts, "__init__.py")}
+        if _TEST_WORDS & set(parts) or any(p.startswith("test") for p in parts):
             rel = _module_file(source, os.path.join(*parts))
-        else:
-            continue  # the code under test (a script at the top sits beside it too)
-        if rel:
-            found.add(rel)
+            found |= {rel} if rel else {os.path.join(*parts[:-1], f"{parts[-1]}.py")}
     return found
 
 

@@ -207,8 +207,10 @@ def test_runner_files_are_the_scripts_the_command_runs(tmp_path: Path) -> None:
                     fail_to_pass=F2P, test_command=command, log_parser="parse_log_sympy")
         return runner_files(task)
 
-    assert files_of("bin/test -C --verbose pkg/core.py") == {
-        "bin/test", "bin/get_pkg.py", "pkg/testing/runtests.py", "pkg/core.py"}
+    files = files_of("bin/test -C --verbose pkg/core.py")
+    assert {"bin/test", "bin/get_pkg.py", "pkg/testing/runtests.py", "pkg/core.py"} <= files
+    assert "bin/pkg.py" in files  # a module the agent adds there would shadow the package
+    assert "pkg/__init__.py" not in files  # the code under test stays the agent's
     assert files_of("cd /workspace && python3 ./runtests.py --parallel 1") == {
         "runtests.py", "testhelpers.py"}  # pkg.core is the code under test
     assert files_of("python -m pkg.testing.runtests -v; echo done") >= {
