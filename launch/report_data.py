@@ -28,7 +28,6 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
@@ -106,7 +105,7 @@ class RunData:
 
     name: str
     source: Path
-    config: dict[str, Any]
+    config: dict[str, object]  # the run's config.yaml as read (values checked where used)
     metrics: list[dict[str, float]]  # one merged row per step, sorted; "step" is a float too
     events: Events
     problems: list[str]
@@ -129,7 +128,7 @@ class _Problems:
             self.out.append(f"{self.name}: {self.count - MAX_PROBLEMS_PER_FILE} more bad rows skipped")
 
 
-def iter_json_rows(path: Path, problems: _Problems) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_json_rows(path: Path, problems: _Problems) -> Iterator[tuple[int, dict[str, object]]]:
     """(line number, object) for each line that parses as a JSON object."""
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -147,12 +146,12 @@ def iter_json_rows(path: Path, problems: _Problems) -> Iterator[tuple[int, dict[
             yield number, row
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     """A finite float from a JSON number; None for anything else (bools included)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 def read_metrics(path: Path, problems: list[str]) -> list[dict[str, float]]:
@@ -175,60 +174,68 @@ class _BadEvent(Exception):
     """An event row the report cannot use; the message says what it lacks."""
 
 
-def _require(row: Mapping[str, Any], key: str, kind: type) -> Any:
+Row = Mapping[str, object]  # one JSON object of an events file, read field by field
+
+
+def _require_float(row: Row, key: str) -> float:
+    got = _number(row.get(key))
+    if got is None:
+        raise _BadEvent(f"{row.get('kind')} event without a number '{key}'")
+    return got
+
+
+def _require_int(row: Row, key: str) -> int:
     value = row.get(key)
-    if kind is float:
-        got = _number(value)
-        if got is None:
-            raise _BadEvent(f"{row.get('kind')} event without a number '{key}'")
-        return got
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _BadEvent(f"{row.get('kind')} event without an integer '{key}'")
-        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _BadEvent(f"{row.get('kind')} event without an integer '{key}'")
+    return value
+
+
+def _require_str(row: Row, key: str) -> str:
+    value = row.get(key)
     if not isinstance(value, str) or not value:
         raise _BadEvent(f"{row.get('kind')} event without a string '{key}'")
     return value
 
 
-def _optional(row: Mapping[str, Any], key: str, default: float = 0.0) -> float:
+def _optional(row: Row, key: str, default: float = 0.0) -> float:
     got = _number(row.get(key))
     return default if got is None else got
 
 
-def _turn(row: Mapping[str, Any]) -> TurnEvent:
+def _turn(row: Row) -> TurnEvent:
     version = row.get("version")
     tools = row.get("tools")
     durations = [_optional(row, k) for k in ("queue_s", "generate_s", "tool_s")]
     if any(d < 0 for d in durations):
         raise _BadEvent("turn event with a negative duration")
     return TurnEvent(
-        step=_require(row, "step", int), traj=_require(row, "traj", str),
+        step=_require_int(row, "step"), traj=_require_str(row, "traj"),
         task=str(row.get("task") or "?"), turn=int(_optional(row, "turn")),
         engine=str(row.get("engine") or "?"),
         version=version if isinstance(version, int) and not isinstance(version, bool) else None,
-        t0=_require(row, "t0", float), queue_s=durations[0], generate_s=durations[1],
+        t0=_require_float(row, "t0"), queue_s=durations[0], generate_s=durations[1],
         tool_s=durations[2], tool_calls=int(_optional(row, "tool_calls")),
         tool_errors=int(_optional(row, "tool_errors")), tokens=int(_optional(row, "tokens")),
-        end=row["end"] if isinstance(row.get("end"), str) else None,
+        end=end if isinstance(end := row.get("end"), str) else None,
         sandbox=str(row["sandbox"]) if row.get("sandbox") not in (None, "") else None,
         tools=tuple(str(t) for t in tools) if isinstance(tools, list) else ())
 
 
-def _push(row: Mapping[str, Any]) -> PushEvent:
-    return PushEvent(step=_require(row, "step", int), version=_require(row, "version", int),
-                     t0=_require(row, "t0", float), prepare_s=_optional(row, "prepare_s"),
+def _push(row: Row) -> PushEvent:
+    return PushEvent(step=_require_int(row, "step"), version=_require_int(row, "version"),
+                     t0=_require_float(row, "t0"), prepare_s=_optional(row, "prepare_s"),
                      gates_closed_s=_optional(row, "gates_closed_s"))
 
 
-def _step(row: Mapping[str, Any]) -> StepEvent:
-    return StepEvent(step=_require(row, "step", int), t0=_require(row, "t0", float),
-                     t1=_require(row, "t1", float), trainer_wait_s=_optional(row, "trainer_wait_s"),
+def _step(row: Row) -> StepEvent:
+    return StepEvent(step=_require_int(row, "step"), t0=_require_float(row, "t0"),
+                     t1=_require_float(row, "t1"), trainer_wait_s=_optional(row, "trainer_wait_s"),
                      turns_dropped=int(_optional(row, "turns_dropped")))
 
 
-def _drop(row: Mapping[str, Any]) -> DropEvent:
-    return DropEvent(step=_require(row, "step", int), task=str(row.get("task") or "?"),
+def _drop(row: Row) -> DropEvent:
+    return DropEvent(step=_require_int(row, "step"), task=str(row.get("task") or "?"),
                      reason=str(row.get("reason") or "?"), staleness=_number(row.get("staleness")),
                      trajectories=int(_optional(row, "trajectories", 1.0)),
                      turns=_number(row.get("turns")), tokens=_number(row.get("tokens")))
@@ -264,7 +271,7 @@ def read_events(path: Path, problems: list[str]) -> Events:
     return events
 
 
-def read_config(path: Path, problems: list[str]) -> dict[str, Any]:
+def read_config(path: Path, problems: list[str]) -> dict[str, object]:
     import yaml
 
     try:

@@ -12,9 +12,9 @@ import heapq
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 from buffer.replay_buffer import LENGTH_EDGES, length_bucket
 from launch.report_data import Events, Series, TrajectorySpan, TurnEvent, trajectories_by_step
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 QUEUE_COLOR, TOOL_COLOR, ERROR_COLOR, PUSH_COLOR = "#b8b8b8", "#f28e2b", "#d62728", "#e0245e"
 MAX_BOXES = 20  # per-task / per-tool panels show the busiest this many
 VERSION_SCALE = "Viridis"
+K = TypeVar("K", int, str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,7 @@ class Panel:
     caption: str
 
 
-def _layout(fig: "go.Figure", title: str, height: int = 340, **axes: Any) -> "go.Figure":
+def _layout(fig: "go.Figure", title: str, height: int = 340, **axes: object) -> "go.Figure":
     fig.update_layout(title=dict(text=title, x=0.01), height=height, template="plotly_white",
                       margin=dict(l=60, r=30, t=60, b=45), hovermode="closest",
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.35), **axes)
@@ -114,10 +115,22 @@ def _hover(u: TurnEvent, slow: bool) -> str:
     return text + ("<br><b>one of the slowest of its step</b>" if slow else "")
 
 
+@dataclass(slots=True)
+class _BarColumns:
+    """One segment kind's horizontal bars, column by column (what go.Bar takes)."""
+
+    base: list[float] = field(default_factory=list)  # start, seconds since the origin
+    x: list[float] = field(default_factory=list)  # length, seconds
+    y: list[int] = field(default_factory=list)  # lane
+    text: list[str] = field(default_factory=list)  # hover text
+    line: list[float] = field(default_factory=list)  # outline width (slow trajectories)
+    color: list[int | str | None] = field(default_factory=list)  # policy version, or a colour
+
+
 def _segments(turns: Sequence[TurnEvent], lane_of: dict[tuple[int, str], int], origin: float,
-              slow: set[tuple[int, str]]) -> dict[str, dict[str, list[Any]]]:
+              slow: set[tuple[int, str]]) -> dict[str, _BarColumns]:
     """Bar columns per segment kind: each turn is queue, then generate, then tool."""
-    parts = {k: defaultdict(list) for k in ("queue", "generate", "tool")}
+    parts = {k: _BarColumns() for k in ("queue", "generate", "tool")}
     for u in turns:
         key = (u.step, u.traj)
         start = u.t0 - origin
@@ -125,28 +138,29 @@ def _segments(turns: Sequence[TurnEvent], lane_of: dict[tuple[int, str], int], o
         for kind, length in (("queue", u.queue_s), ("generate", u.generate_s), ("tool", u.tool_s)):
             if length > 0:
                 col = parts[kind]
-                col["base"].append(round(start, 3))
-                col["x"].append(round(length, 4))
-                col["y"].append(lane_of[key])
+                col.base.append(round(start, 3))
+                col.x.append(round(length, 4))
+                col.y.append(lane_of[key])
                 # the whole story on the generate bar; the others say only their part
                 # (three full texts a turn would triple the page)
-                col["text"].append(_hover(u, is_slow) if kind == "generate" else
+                col.text.append(_hover(u, is_slow) if kind == "generate" else
                                    f"<b>{u.traj}</b> turn {u.turn}: {kind} {length:.3g}s"
                                    + (f" ({', '.join(u.tools)})" if kind == "tool" and u.tools else ""))
-                col["line"].append(1.6 if is_slow else 0.0)
-                col["color"].append(u.version if kind == "generate" else
+                col.line.append(1.6 if is_slow else 0.0)
+                col.color.append(u.version if kind == "generate" else
                                     ERROR_COLOR if u.tool_errors else TOOL_COLOR)
             start += length
     return parts
 
 
-def _push_marks(events: Events, origin: float, top: float) -> tuple[list[dict[str, Any]], list[Any]]:
+def _push_marks(events: Events, origin: float, top: float,
+                ) -> tuple[list[dict[str, object]], list[go.Scatter]]:
     """Shapes (a red band while the turn gates were closed for a push, a dotted line when
     they closed) and a trace of hoverable markers above them. Shapes are plain dicts set
     once: adding them one by one copies the layout each time."""
     import plotly.graph_objects as go
 
-    shapes: list[dict[str, Any]] = []
+    shapes: list[dict[str, object]] = []
     xs, texts = [], []
     for p in events.pushes:
         closed = p.t0 + p.prepare_s - origin
@@ -165,7 +179,7 @@ def _push_marks(events: Events, origin: float, top: float) -> tuple[list[dict[st
                                hovertext=texts, hoverinfo="text")]
 
 
-def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int]) -> list[Any]:
+def _bar_traces(parts: dict[str, _BarColumns], versions: Sequence[int]) -> list[go.Bar | go.Scatter]:
     """The queue / generate / tool bars, and an empty trace that carries the version
     colour bar. Versions are mapped to colours here: plotly's bars accept numbers with a
     colour scale but warn per bar in the browser console."""
@@ -177,17 +191,18 @@ def _bar_traces(parts: dict[str, dict[str, list[Any]]], versions: Sequence[int])
     palette = dict(zip(range(low, high + 1), shades))
     names = {"queue": "queue (turn gate, sandbox)", "generate": "generate (colour: policy version)",
              "tool": "tool (red: with errors)"}
-    traces = []
+    traces: list[go.Bar | go.Scatter] = []
     for kind, name in names.items():
         col = parts[kind]
-        if not col["x"]:
+        if not col.x:
             continue
-        color = ([palette.get(v, QUEUE_COLOR) for v in col["color"]] if kind == "generate"
-                 else col["color"] if kind == "tool" else QUEUE_COLOR)
-        traces.append(go.Bar(orientation="h", base=col["base"], x=col["x"], y=col["y"], width=0.8,
+        color = ([palette.get(v, QUEUE_COLOR) if isinstance(v, int) else QUEUE_COLOR
+                  for v in col.color] if kind == "generate"
+                 else col.color if kind == "tool" else QUEUE_COLOR)
+        traces.append(go.Bar(orientation="h", base=col.base, x=col.x, y=col.y, width=0.8,
                              name=name,
-                             marker=dict(color=color, line=dict(width=col["line"], color="#111")),
-                             hovertext=col["text"], hoverinfo="text"))
+                             marker=dict(color=color, line=dict(width=col.line, color="#111")),
+                             hovertext=col.text, hoverinfo="text"))
     traces.append(go.Scatter(x=[None], y=[None], mode="markers", showlegend=False, hoverinfo="skip",
                              marker=dict(colorscale=VERSION_SCALE, cmin=low, cmax=high, color=[low],
                                          showscale=True, colorbar=dict(
@@ -231,7 +246,7 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
                     line=dict(color="#444", width=1)) for _, first, _ in rows.bands[1:]]
     fig = go.Figure(_bar_traces(_segments(turns, rows.lane_of, origin, slow), versions) + marks)
     label = "engine" if by == "engine" else "sandbox"
-    _layout(fig, f"Trajectory timeline by {label}", height=int(min(max(140 + 12 * lanes, 420), 1600)),
+    _layout(fig, f"Trajectory timeline by {label}", height=min(max(140 + 12 * lanes, 420), 1600),
             barmode="overlay", bargap=0.1, shapes=shapes,
             xaxis=dict(title="seconds since the run's first event", zeroline=False,
                        range=[start - origin - pad, end - origin + pad]),
@@ -269,13 +284,13 @@ def build_exec_histogram(series: Series) -> Panel | None:
                  "counted by the sandbox pool into duration buckets.")
 
 
-def box_trace(groups: dict[Any, list[float]], color: str) -> Any:
+def box_trace(groups: Mapping[K, list[float]], color: str) -> go.Box:
     """One box per group from precomputed quartiles and 1.5 IQR whiskers, so the page
     carries five numbers per box, not every sample (a trace has 80,000 turns)."""
     import numpy as np
     import plotly.graph_objects as go
 
-    stats: dict[str, list[Any]] = defaultdict(list)
+    stats: dict[str, list[object]] = defaultdict(list)
     for label in groups:
         values = np.asarray(groups[label], dtype=float)
         q1, median, q3 = np.percentile(values, [25, 50, 75])
@@ -360,7 +375,7 @@ def build_turn_time_histogram(events: Events) -> Panel | None:
 
 # --- over steps ---------------------------------------------------------------------------
 
-def _step_axis(steps: Sequence[int]) -> dict[str, Any]:
+def _step_axis(steps: Sequence[int]) -> dict[str, object]:
     """Whole-step ticks: no 1.5 on a 4-step run."""
     span = max(steps) - min(steps) if steps else 0
     return dict(title="step", dtick=max(1, math.ceil(span / 12)), tick0=0)
@@ -385,15 +400,16 @@ def build_lines(series: Series, key: str, title: str, keys: Sequence[str], capti
         dense = len(steps) >= 60
         fig.add_trace(go.Scatter(x=steps, y=values, name=k, mode="lines" if dense else "lines+markers"))
     all_steps = [s for k in present for s in series[k][0]]
-    axes: dict[str, Any] = dict(xaxis=_step_axis(all_steps), yaxis=dict(title=y_title))
+    yaxis: dict[str, object] = dict(title=y_title)
     if y_range is not None:
-        axes["yaxis"]["range"] = list(y_range)
+        yaxis["range"] = list(y_range)
+    _layout(fig, title, xaxis=_step_axis(all_steps), yaxis=yaxis)
     counts = [v for k in present if k in bar_keys for v in series[k][1]]
     if counts:
         top = max(max(counts), 1.0)  # whole-number ticks, also when nothing was dropped
-        axes["yaxis2"] = dict(title=bar_title, overlaying="y", side="right", showgrid=False,
-                              range=[0, top * 1.1], dtick=max(1, math.ceil(top / 5)))
-    return Panel(key, title, _layout(fig, title, **axes), caption)
+        fig.update_layout(yaxis2=dict(title=bar_title, overlaying="y", side="right", showgrid=False,
+                                      range=[0, top * 1.1], dtick=max(1, math.ceil(top / 5))))
+    return Panel(key, title, fig, caption)
 
 
 def per_step_delta(steps: list[int], totals: list[float]) -> tuple[list[int], list[float]]:

@@ -132,7 +132,7 @@ def _invert_if(fn: ast.AST, rng: random.Random) -> bool:
 
 
 def _remove_assign(fn: ast.AST, rng: random.Random) -> bool:
-    bodies = [n.body for n in ast.walk(fn) if isinstance(getattr(n, "body", None), list)]
+    bodies = [body for n in ast.walk(fn) if isinstance(body := getattr(n, "body", None), list)]
     spots = [(body, i) for body in bodies for i, stmt in enumerate(body)
              if isinstance(stmt, (ast.Assign, ast.AugAssign)) and len(body) > 1]
     if not spots:
@@ -143,11 +143,12 @@ def _remove_assign(fn: ast.AST, rng: random.Random) -> bool:
 
 
 def _shift_constant(fn: ast.AST, rng: random.Random) -> bool:
-    nodes = [n for n in ast.walk(fn) if isinstance(n, ast.Constant) and type(n.value) is int
-             and 0 <= n.value <= 16]
-    if not nodes:
+    spots = [(n, n.value) for n in ast.walk(fn) if isinstance(n, ast.Constant)
+             and isinstance(n.value, int) and not isinstance(n.value, bool) and 0 <= n.value <= 16]
+    if not spots:
         return False
-    rng.choice(nodes).value += 1
+    node, value = rng.choice(spots)
+    node.value = value + 1
     return True
 
 

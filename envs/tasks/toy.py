@@ -10,7 +10,7 @@ so a recipe names the set and every worker builds the same tasks.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 from envs.tools.calculator import evaluate_arithmetic
 from envs.types import Message, Task
@@ -76,7 +76,7 @@ def build_heldout(name: str, num_tasks: int = DEFAULT_NUM_TASKS) -> list[Task]:
 
 
 def _build_set(name: str, make: Callable[[random.Random], tuple[str, int]], tools: tuple[str, ...],
-               num_tasks: int, seed: int, exclude: set[str] = frozenset()) -> list[Task]:
+               num_tasks: int, seed: int, exclude: Set[str] = frozenset()) -> list[Task]:
     if num_tasks < 1:
         raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
     rng = random.Random(seed)
