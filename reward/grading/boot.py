@@ -26,8 +26,10 @@ newer than 3.8 (sys.stdlib_module_names, 3.10, comes from the settings where abs
 annotations are never evaluated, `from __future__ import annotations`).
 
 What this cannot stop: once the agent's code runs (the tests import it), it can do
-anything this process can, including undoing steps 4 and 5; reward.grading.driver and
-reward.grading.crosscheck are the checks that hold after that.
+anything this process can, including undoing steps 4 and 5, reading the record key
+(this process's memory still holds the settings text) and the pipe, and swapping test
+functions' code. Nothing here is trusted after that point: the mutation sentinels
+(reward.grading.sentinels), whose verdict needs no honest process, are what hold.
 """
 
 from __future__ import annotations

@@ -14,13 +14,18 @@ Findings (reward.grading.hacking names them `hack_<name>`):
 - sentinel_passed: a sentinel passed, or was skipped or missing without its template (or
   its file) being skipped or failing to collect in the same way.
 
-What remains possible (no in-process check is sound alone): code running inside the test
-process can read the recorder's key and pipe from memory and write a consistent false
-account from the start, or make the tests themselves pass by patching what they call
-while leaving every sentinel's own false assertion alone (it must recognise them, e.g.
-by reading each test's source); the static findings of reward.grading.hacking (runner internals,
-frame and object walking, exit handlers) are what flag such code, and
-reward.hack_policy=zero turns them into a zero reward.
+Trust: the stream, the report, the exit status and the `call` records all come from
+the test process, which runs the agent's code; that code can read the recorder's key and
+pipe (/proc/self/mem and /proc/self/fd, or boot's frame), wrap its emit, or rewrite
+reports as they are made, and so write a consistent false account from the start. These
+checks catch rewriting after the fact and careless tampering; what holds against code
+that runs during the tests is the mutation sentinels (reward.grading.sentinels): a false
+account must still say which tests fail, and the copies that must fail are not known to
+it. A host-side check of the executed code objects is not made: anything the process
+reports about them is forgeable, and pytest's assertion rewriting makes the bytecode
+depend on the pytest that runs. What remains is in reward.grading.sentinels; the static
+findings (reward.grading.hacking) flag the means, and reward.hack_policy=zero turns them
+into a zero reward.
 """
 
 from __future__ import annotations

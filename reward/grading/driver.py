@@ -21,7 +21,11 @@ write anything that uid can. The driver keeps its verdict out of that process's 
 5. prints one line, `SLUICE-GRADE <nonce> <json>`, and exits 0.
 
 The host trusts that line only together with the files whose hashes it names, and
-cross-checks the two accounts of the run (reward.grading.crosscheck).
+cross-checks the two accounts of the run (reward.grading.crosscheck). Both accounts are
+written by the test process, where the agent's code runs and can reach the key and the
+pipe; what this process guarantees is that nothing is changed after the fact and that
+the line is its own. Against code that lies from inside the run, the verdict rests on
+the mutation sentinels (reward.grading.sentinels).
 
 The pytest that runs is the sandbox Python's own where it has a supported one, else the
 grader's bundled copy (reward.grading.boot chooses, before any workspace file is importable, and

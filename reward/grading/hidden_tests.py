@@ -16,7 +16,10 @@ The agent's final workspace is graded in a FRESH sandbox, never the one it worke
 Pass/fail per test comes only from the two accounts the driver vouches for (by hash on
 its own stdout, which the agent's processes cannot reach): the recorder's stream and
 pytest's JUnit report, which must agree (reward.grading.crosscheck), never from console output.
-Must-fail sentinel tests hidden among the tests must fail. Any disagreement or
+Both are written by the process that runs the agent's code, so neither is proof alone;
+the mutation sentinels hidden among the tests (copies of real tests expecting changed
+values, reward.grading.sentinels) must fail, and they are what holds against code that
+lies from inside the run (what they leave open is in their module). Any disagreement or
 tampering scores 0 (component `tamper_detected`) with its `hack_*` finding; the static
 findings of the diff and the transcript (reward.grading.hacking) are added to every result, and
 zero it under reward.hack_policy=zero. A workspace that could not be captured (over

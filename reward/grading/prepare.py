@@ -10,6 +10,8 @@ patch is applied elsewhere, by reward.grading.patch). Which paths count as prote
 are dropped, so editing a test, adding a conftest.py or any file pytest reads config
 from, planting bytecode, a native module or a module named like the standard library or
 the runner, or pre-planting files where the hidden tests go has no effect on grading.
+Test helpers beside the code that the trusted tests import (`pkg/_testing.py`, found by
+reward.grading.import_graph) are protected the same way; the code under test never is.
 """
 
 from __future__ import annotations

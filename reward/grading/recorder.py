@@ -15,8 +15,10 @@ A record cannot be taken back once written, so rewriting results after the fact 
 JUnit file at exit, a daemon) disagrees with the stream; the key keeps code that merely
 finds the pipe from writing records the driver accepts; the `call` record is observed
 beneath every hook, so a report forced to "passed" over a raising test disagrees with
-it. Code that runs in this process can still find the key in memory or call the
-recorder itself; see reward.grading.crosscheck for what that leaves.
+it. Code that runs in this process can still find the key in memory, wrap `_emit`
+through the plugin manager or call the recorder itself, and so forge a consistent
+stream: the stream is a tripwire, not proof; see reward.grading.crosscheck and
+reward.grading.sentinels for what holds.
 
 It runs under whichever pytest grades (the image's own, 6.2 to 9, on Python 3.8 to 3.11,
 or the bundled one): old-style hook wrappers (`hookwrapper=True`, pluggy 0.12 onwards;
