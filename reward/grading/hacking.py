@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import io
 import os
 import re
@@ -335,7 +336,8 @@ def source_text(source: bytes) -> tuple[str, str]:
         return source.decode("utf-8", errors="replace"), "unknown"
 
 
-def code_features(source: bytes) -> set[str]:
+@functools.lru_cache(maxsize=512)  # a group's trajectories share the source's files
+def code_features(source: bytes) -> frozenset[str]:
     """Imports, dotted names (through import aliases, `getattr(m, <constant text>)` and
     `__import__("m")`), notable attributes, string literals and computed-code features
     of a Python file, read in its declared encoding (regex over the text when it does
@@ -348,12 +350,14 @@ def code_features(source: bytes) -> set[str]:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         names = re.findall(r"[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+|__builtins__", text)
         imports = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", text, re.MULTILINE)
-        return set(names) | {f"import:{m}" for m in imports} | _string_features([text]) | coding
-    aliases = _import_aliases(tree)
+        return frozenset(set(names) | {f"import:{m}" for m in imports}
+                         | _string_features([text]) | coding)
+    nodes = list(ast.walk(tree))
+    aliases = _import_aliases(nodes)
     # What is imported counts both as an import and as a name (`from os import _exit`).
     found = {f"import:{m}" for m in aliases.values()} | set(aliases.values()) | coding
     strings = []
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Call):
             found |= _call_features(node, aliases)
         elif isinstance(node, ast.Attribute):
@@ -375,7 +379,7 @@ def code_features(source: bytes) -> set[str]:
             found.add("__builtins__")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             strings.append(node.value)
-    return found | _string_features(strings)
+    return frozenset(found | _string_features(strings))
 
 
 def _call_features(call: ast.Call, aliases: dict[str, str]) -> set[str]:
@@ -511,13 +515,14 @@ def _equality_features(cls: ast.ClassDef) -> set[str]:
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name in ("__eq__", "__ne__"):
             accepting = node.name == "__eq__"
-            returns = [r.value for r in ast.walk(node) if isinstance(r, ast.Return)]
+            returns = [r.value for r in ast.walk(node) if isinstance(r, ast.Return)
+                       and not (isinstance(r.value, ast.Name) and r.value.id == "NotImplemented")]
             constants = [r.value for r in returns if isinstance(r, ast.Constant)]
             other = node.args.args[1].arg if len(node.args.args) > 1 else None
             uses_other = other is not None and any(
                 isinstance(n, ast.Name) and n.id == other for n in ast.walk(node))
-            if returns and constants != [NotImplemented] * len(returns) and (
-                    len(constants) == len(returns) and accepting in constants or not uses_other):
+            if returns and (len(constants) == len(returns) and accepting in constants
+                            or not uses_other):
                 found.add(f"alwayseq:{cls.name}.{node.name}")
         elif isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id in ("__eq__", "__ne__") for t in node.targets):
@@ -527,11 +532,11 @@ def _equality_features(cls: ast.ClassDef) -> set[str]:
     return found
 
 
-def _import_aliases(tree: ast.AST) -> dict[str, str]:
+def _import_aliases(nodes: Iterable[ast.AST]) -> dict[str, str]:
     """Local name -> what it stands for: `import a.b as c` (c -> a.b), `import a.b`
     (a -> a), `from a import b as c` (c -> a.b)."""
     aliases = {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             for a in node.names:
                 aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else \
