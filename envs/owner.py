@@ -13,7 +13,6 @@ This module imports nothing from the project, so any layer may use it.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 
 def _pid_namespace() -> int:
@@ -56,7 +55,7 @@ def tag_is_dead(tag: str) -> bool:
     return process_start_time(int(pid)) is None
 
 
-def owner_record(pid: int | None = None) -> dict[str, Any]:
+def owner_record(pid: int | None = None) -> dict[str, int | str | None]:
     """A record naming `pid` (default: this process) exactly: pid, start time, pid
     namespace and boot."""
     pid = os.getpid() if pid is None else pid
@@ -64,14 +63,17 @@ def owner_record(pid: int | None = None) -> dict[str, Any]:
             "boot_id": _boot_id()}
 
 
-def record_is_dead(record: dict[str, Any]) -> bool:
-    """True when the owner a record names is gone: the machine rebooted since, or its pid
-    runs no more or runs a newer process. False for another pid namespace (unknown)."""
-    try:
-        pid, start, ns = int(record["pid"]), record["start_time"], int(record["pid_namespace"])
-    except (KeyError, TypeError, ValueError):
+def record_is_dead(record: object) -> bool:
+    """True when the owner a record names (as read back from JSON) is gone: the machine
+    rebooted since, or its pid runs no more or runs a newer process. False for another pid
+    namespace (unknown), and for anything this module did not write."""
+    if not isinstance(record, dict):
+        return False
+    pid, start, ns = record.get("pid"), record.get("start_time"), record.get("pid_namespace")
+    if not isinstance(pid, int) or not isinstance(ns, int):
         return False  # not a record this module wrote: leave it alone
-    if record.get("boot_id") and _boot_id() and record["boot_id"] != _boot_id():
+    boot_id = record.get("boot_id")
+    if boot_id and _boot_id() and boot_id != _boot_id():
         return True
     if ns != _pid_namespace():
         return False

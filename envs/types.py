@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from envs.plugins import check_plugin_name
 
@@ -256,7 +257,7 @@ class Timings:
     total_s: float = 0.0
 
 
-def _array(values: Any, dtype: Any) -> np.ndarray:
+def _array(values: ArrayLike, dtype: DTypeLike) -> np.ndarray:
     arr = np.asarray(values, dtype=dtype)
     if arr.ndim != 1:
         raise ValueError(f"per-token arrays are 1-D, got shape {arr.shape}")
@@ -342,7 +343,7 @@ class Trajectory:
         """The full training sequence: exactly what the engine saw and produced."""
         return np.concatenate([self.prompt_ids, self.response_ids])
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, JsonValue]:
         """A JSON-friendly digest for transcripts and logs."""
         return {"task_id": self.task_id, "group_id": self.group_id, "index": self.index,
                 "segment": self.segment, "termination": self.termination.value, "detail": self.termination_detail,

@@ -167,7 +167,7 @@ class SandboxSession:
         lease = await self.provider.acquire(spec)
         try:
             await self._copy_visible_tests(lease, task)
-        except BaseException:
+        except BaseException:  # cancellation too: the lease goes back before the error goes on
             await self.provider.release(lease)
             raise
         self.lease = lease
@@ -209,7 +209,7 @@ class SandboxSession:
         try:
             return await self.provider.workspace_changes(
                 lease, self.settings.max_workspace_changes_bytes)
-        except Exception as exc:
+        except Exception as exc:  # whatever broke, the trajectory ends graded 0, not lost
             # Whatever broke (the backend's snapshot, the pool actor), the trajectory is
             # over: record why its workspace is missing, so it is graded 0 and counted,
             # and still release the sandbox.

@@ -16,7 +16,7 @@ import argparse
 import ast
 import io
 import tokenize
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGES = ("trainer", "rollout", "buffer", "reward", "envs", "launch", "examples")
@@ -31,10 +31,10 @@ class Counts:
     lines: int = 0
     any_uses: int = 0
     broad_excepts: int = 0
-    broad_without_reason: int = 0
     getattr_defaults: int = 0
     type_ignores: int = 0
     unparsed: int = 0
+    unexplained: list[str] = field(default_factory=list)  # "path:line" of broad excepts without a reason
 
 
 def _is_broad(handler: ast.ExceptHandler) -> bool:
@@ -75,7 +75,7 @@ def count_file(path: Path, counts: Counts) -> None:
         elif isinstance(node, ast.ExceptHandler) and _is_broad(node):
             counts.broad_excepts += 1
             if node.lineno not in comments:
-                counts.broad_without_reason += 1
+                counts.unexplained.append(f"{path}:{node.lineno}")
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
@@ -132,7 +132,7 @@ def main() -> None:
                 str(c.lines),
                 _per_k(c.any_uses, c.lines),
                 _per_k(c.broad_excepts, c.lines),
-                str(c.broad_without_reason),
+                str(len(c.unexplained)),
                 _per_k(c.getattr_defaults, c.lines),
                 _per_k(c.type_ignores, c.lines),
             )
