@@ -378,7 +378,8 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None]:
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
-            raise SystemExit(USAGE)
+            print(USAGE, end="")
+            raise SystemExit(0)  # SystemExit(text) would print it to stderr and exit 1
         if arg == "--address":
             address = next(args, None)
             if address is None:
