@@ -11,7 +11,8 @@ from envs.knobs import knob, mapping_knob
 
 @dataclass(frozen=True, slots=True)
 class EnvsConfig:
-    tasks: str = knob("toy_arithmetic", "Task source: a built-in set name or a JSONL/parquet path.")
+    tasks: str = knob("", "Task source (required): a built-in set name (envs.tasks.BUILTIN_SETS) "
+                      "or a JSONL/parquet path or a datasets folder.")
     task_format: Literal["auto", "toy", "code", "swe", "jsonl"] = knob(
         "auto", "How to read `tasks`; auto: from the name or file extension.")
     tools: dict[str, str] = mapping_knob(
@@ -19,8 +20,10 @@ class EnvsConfig:
         "'package.module:Class' (built with the trajectory's TrajectoryEnv); they join the "
         "built-ins (calculator, bash, python, read_file, write_file, str_replace, run_tests, "
         "submit) and may replace one of them.")
-    sandbox_backend: Literal["local", "container"] = knob(
-        "local", "local: namespaces + rlimits + cgroups; container: podman/docker per task image.")
+    sandbox_backend: str = knob(
+        "local", "Sandbox backend: a built-in name (envs.sandbox.backends: local: namespaces + "
+        "rlimits + cgroups; container: podman/docker per task image) or an import string "
+        "'package.module:Class' of a Sandbox class.")
     num_sandbox_workers: int = knob(1, "SandboxWorker actors in the sandbox pool.")
     cpus_per_sandbox_worker: float = knob(1.0, "Ray CPUs reserved per SandboxWorker.")
     sandboxes_per_worker: int = knob(64, "Most live sandboxes one worker owns.")

@@ -49,7 +49,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from envs.plugins import resolve_plugin
+from envs.sandbox.backends import load_sandbox_backend
 from envs.sandbox.base import (ExecResult, Sandbox, SandboxLimits, SandboxRole, SandboxSpec,
                                Snapshot, build_sandbox_limits)
 from envs.sandbox.changes import changes_from_snapshot
@@ -694,13 +694,9 @@ def load_sandbox_factory(backend: str) -> SandboxFactory:
     """The create function of a built-in backend name or an import string
     'package.module:Class' (envs.sandbox_backend)."""
     try:
-        cls = resolve_plugin("sandbox backend", backend)
+        return load_sandbox_backend(backend).create
     except ValueError as exc:
         raise ValueError(f"envs.sandbox_backend={backend!r}: {exc}") from exc
-    if not callable(getattr(cls, "create", None)):
-        raise ValueError(f"sandbox backend {backend!r} has no async `create(spec)`; point "
-                         "envs.sandbox_backend at a Sandbox class")
-    return cls.create
 
 
 def build_sandbox_pool(envs: EnvsConfig, factory: SandboxFactory | None = None,

@@ -17,9 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from envs.plugins import BUILTINS, resolve_plugin
 from envs.pool import SandboxProvider
-from envs.tools.base import Tool, ToolClass, check_tool_class, needs_sandbox
+from envs.tools.base import TOOLS, Tool, ToolClass, load_tool_class, needs_sandbox
 from envs.tools.sandbox_tools import SandboxSession, SandboxToolSettings
 from envs.types import JsonValue, Task, WorkspaceChanges
 
@@ -29,15 +28,13 @@ log = logging.getLogger(__name__)
 def load_tool_classes(extra: Mapping[str, str] | None = None) -> dict[str, ToolClass]:
     """Every built-in tool plus `extra` (envs.tools: name -> built-in name or import string),
     each resolved and checked against the tool contract; ValueError names the bad entry."""
-    names = {**{n: n for n in BUILTINS["tool"]}, **dict(extra or {})}
+    names = {**{n: n for n in TOOLS.builtins}, **dict(extra or {})}
     out: dict[str, ToolClass] = {}
     for name, ref in names.items():
         try:
-            cls = resolve_plugin("tool", ref)
-            check_tool_class(name, cls)
+            out[name] = load_tool_class(name, ref)
         except ValueError as exc:
             raise ValueError(f"envs.tools.{name}: {exc}") from exc
-        out[name] = cls
     return out
 
 

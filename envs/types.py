@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from envs.plugins import check_plugin_name
+from envs.plugins import check_reference
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -133,9 +133,9 @@ class Task:
         if not self.messages:
             raise ValueError(f"task {self.id!r} has no messages")
         self._validate_tests()
-        if self.reward_fn is not None and check_plugin_name("reward fn", self.reward_fn) is not None:
-            raise ValueError(f"task {self.id!r}: reward_fn={self.reward_fn!r}: "
-                             f"{check_plugin_name('reward fn', self.reward_fn)}")
+        # The shape only: the reward package owns the built-in names (checked at start-up).
+        if self.reward_fn is not None and (problem := check_reference("reward fn", self.reward_fn)):
+            raise ValueError(f"task {self.id!r}: reward_fn={self.reward_fn!r}: {problem}")
 
     def _validate_tests(self) -> None:
         if (self.test_command is None) != (self.log_parser is None):

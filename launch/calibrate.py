@@ -432,7 +432,7 @@ def parse_argv(argv: list[str]) -> tuple[tuple[int, ...], int, CacheExperiment, 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
+        print(f"usage (the command line is the first paragraph):\n\n{__doc__}")
         return 0
     try:
         in_flight, kv_blocks, base, sandbox, as_json = parse_argv(argv)

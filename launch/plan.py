@@ -1,13 +1,15 @@
-"""Capacity planner: `python -m launch.plan recipe=NAME.yaml [section.key=value ...] [--json]`.
+"""Capacity planner: `python -m launch.plan recipe=NAME.yaml [section.key=value ...]
+[--profile FILE.yaml] [plan.key=value ...] [--json]`.
 
-Turns a recipe and its `plan` section (the workload profile, `trainer.plan_config`) into
-the seed article's section-7 accounts of one training step: the environment account
+Turns a recipe and the planner's own workload profile (`launch.plan_profile`: a profile
+file and `plan.*` arguments, never part of a recipe) into the seed article's section-7
+accounts of one training step: the environment account
 (executions, CPU-hours, concurrent sandboxes, sandbox nodes) and the GPU account (decode,
 prefill between the fully cached and the fully recomputed bound, KV residency, training),
 then the ratio table (environment : model, sandboxes : GPU, rollout : train).
 
 The math is a set of pure functions of resolved numbers (`PlanInputs`); only
-`build_plan` reads the recipe and the model's config.json. Every account assumes the
+`build_plan` reads the recipe, the profile and the model's config.json. Every account assumes the
 whole step's B x G trajectories are in flight at once and every turn costs the profile's
 typical numbers: no tail, no queueing, no staleness overlap (`launch.simulate` models those).
 """
@@ -22,17 +24,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.plan_profile import PlanProfile, load_profile, profile_help, split_profile_args
 from rollout.rope import text_config
-from trainer.run.config import SluiceConfig, iter_fields
+from trainer.run.config import SluiceConfig
 from trainer.run.model_check import MOE_KEYS, DecoderShape
 from trainer.run.recipe import load_config
 
-USAGE = """usage: python -m launch.plan recipe=NAME.yaml [section.key=value ...] [--json]
+USAGE = """usage: python -m launch.plan recipe=NAME.yaml [section.key=value ...]
+                          [--profile FILE.yaml] [plan.key=value ...] [--json]
 
-  recipe=NAME.yaml   a file in recipes/ or a path to one
-  section.key=value  override any config key; the workload profile is plan.* (below)
-  --json             print one JSON object with the account (no table)
-  -h, --help         this text and every plan.* key
+  recipe=NAME.yaml     a file in recipes/ or a path to one
+  section.key=value    override any recipe key
+  --profile FILE.yaml  the workload profile: a YAML file with one `plan:` mapping
+  plan.key=value       override one profile key (below); unset keys keep their default
+  --json               print one JSON object with the account (no table)
+  -h, --help           this text and every plan.* key
 """
 
 # The seed's section 4.3 table: how the environment : model ratio varies with the task.
@@ -50,7 +56,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True, slots=True)
 class PlanInputs:
-    """Every number the accounts read, resolved from the recipe and the plan section."""
+    """Every number the accounts read, resolved from the recipe and the profile."""
 
     groups_per_step: int  # B
     group_size: int  # G
@@ -255,9 +261,8 @@ def read_model_shape(data: dict[str, Any], source: str) -> DecoderShape:
                          "plan.kv_bytes_per_token explicitly") from None
 
 
-def resolve_model(cfg: SluiceConfig, sources: Sources) -> tuple[float, int, int]:
-    """(model_params_b, kv_bytes_per_token, dtype bytes): the plan's or from config.json."""
-    pc = cfg.plan
+def resolve_model(cfg: SluiceConfig, pc: PlanProfile, sources: Sources) -> tuple[float, int, int]:
+    """(model_params_b, kv_bytes_per_token, dtype bytes): the profile's or from config.json."""
     dtype = cfg.model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if cfg.cluster.device == "cuda" else "float32"
@@ -283,9 +288,10 @@ def resolve_model(cfg: SluiceConfig, sources: Sources) -> tuple[float, int, int]
     return params_b, kv_bytes, dtype_bytes
 
 
-def resolve_kv_pool_gb(cfg: SluiceConfig, weight_bytes_per_gpu: float, sources: Sources) -> float:
-    """KV pool of one rollout GPU: the plan's, the recipe's explicit size, or what is left."""
-    pc, r = cfg.plan, cfg.rollout
+def resolve_kv_pool_gb(cfg: SluiceConfig, pc: PlanProfile, weight_bytes_per_gpu: float,
+                       sources: Sources) -> float:
+    """KV pool of one rollout GPU: the profile's, the recipe's explicit size, or what is left."""
+    r = cfg.rollout
     if pc.kv_pool_gb_per_gpu is not None:
         return pc.kv_pool_gb_per_gpu
     if r.kv_cache_memory_bytes is not None:
@@ -293,23 +299,25 @@ def resolve_kv_pool_gb(cfg: SluiceConfig, weight_bytes_per_gpu: float, sources: 
         sources.append(("kv_pool_gb_per_gpu", pool_gb,
                         "rollout.kv_cache_memory_bytes / rollout.tp_size"))
         return pool_gb
-    pool_gb = pc.gpu_memory_gb * r.gpu_memory_utilization - weight_bytes_per_gpu / 1e9
+    pool_gb = cfg.cluster.gpu_memory_gb * r.gpu_memory_utilization - weight_bytes_per_gpu / 1e9
     if pool_gb <= 0:
         raise ValueError(f"plan.kv_pool_gb_per_gpu: the weights ({weight_bytes_per_gpu / 1e9:.1f}"
-                         f" GB per GPU) fill plan.gpu_memory_gb x rollout.gpu_memory_utilization;"
+                         f" GB per GPU) fill cluster.gpu_memory_gb x rollout.gpu_memory_utilization;"
                          " raise rollout.tp_size or set plan.kv_pool_gb_per_gpu")
-    sources.append(("kv_pool_gb_per_gpu", pool_gb, "plan.gpu_memory_gb x "
+    sources.append(("kv_pool_gb_per_gpu", pool_gb, "cluster.gpu_memory_gb x "
                     "rollout.gpu_memory_utilization - weights / rollout.tp_size"))
     return pool_gb
 
 
-def build_plan(cfg: SluiceConfig) -> Plan:
-    """Resolve every None of `cfg.plan` from the recipe and the model's config.json."""
-    pc, r, e = cfg.plan, cfg.rollout, cfg.envs
+def build_plan(cfg: SluiceConfig, pc: PlanProfile | None = None) -> Plan:
+    """Resolve every None of the profile `pc` (None: the defaults) from the recipe `cfg`
+    and the model's config.json."""
+    pc = pc if pc is not None else PlanProfile()
+    r, e = cfg.rollout, cfg.envs
     sources: Sources = []
-    params_b, kv_bytes, dtype_bytes = resolve_model(cfg, sources)
+    params_b, kv_bytes, dtype_bytes = resolve_model(cfg, pc, sources)
     weight_bytes_per_gpu = params_b * 1e9 * dtype_bytes / r.tp_size
-    pool_gb = resolve_kv_pool_gb(cfg, weight_bytes_per_gpu, sources)
+    pool_gb = resolve_kv_pool_gb(cfg, pc, weight_bytes_per_gpu, sources)
 
     def recipe_default(key: str, value: Any, default: Any, where: str) -> Any:
         if value is not None:
@@ -442,31 +450,55 @@ def format_plan(plan: Plan, a: PlanAccount) -> str:
 
 
 def format_help() -> str:
-    lines = [USAGE, "plan keys (default; doc):"]
-    for key, f in iter_fields(SluiceConfig):
-        if key.startswith("plan."):
-            lines.append(f"  {key} = {f.default!r}  [{f.type}]\n      {f.metadata['doc']}")
-    return "\n".join(lines)
+    return "\n".join([USAGE, profile_help()])
 
 
-def parse_argv(argv: list[str]) -> tuple[str | None, list[str], bool, bool]:
-    """Split argv into (recipe, overrides, as_json, help); unknown flags are errors."""
+def take_profile_flag(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv without `--profile FILE` (or `--profile=FILE`), and FILE (None when absent)."""
+    rest: list[str] = []
+    path: str | None = None
+    args = iter(argv)
+    for arg in args:
+        if arg == "--profile":
+            path = next(args, None)
+            if path is None:
+                raise ValueError("--profile needs a file: --profile my_workload.yaml")
+        elif arg.startswith("--profile="):
+            path = arg.removeprefix("--profile=")
+        else:
+            rest.append(arg)
+    return rest, path
+
+
+def load_recipe_and_profile(recipe: str | None, args: list[str], profile_path: str | None
+                            ) -> tuple[SluiceConfig, PlanProfile]:
+    """The recipe with its overrides and the profile with its `plan.*` arguments, from one
+    argument list (the planner's and the simulator's command lines)."""
+    overrides, profile_overrides = split_profile_args(args)
+    return load_config(recipe, overrides), load_profile(profile_path, profile_overrides)
+
+
+def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None, bool, bool]:
+    """Split argv into (recipe, overrides, profile file, as_json, help); unknown flags are
+    errors."""
+    argv, profile_path = take_profile_flag(argv)
     flags = {arg for arg in argv if arg.startswith("-")}
     if unknown := sorted(flags - {"--json", "-h", "--help"}):
-        raise ValueError(f"unknown flag {unknown[0]!r}; flags are --json and --help")
+        raise ValueError(f"unknown flag {unknown[0]!r}; flags are --profile, --json and --help")
     recipes = [arg.removeprefix("recipe=") for arg in argv if arg.startswith("recipe=")]
     overrides = [arg for arg in argv if not arg.startswith(("-", "recipe="))]
-    return (recipes[-1] if recipes else None), overrides, "--json" in flags, \
+    return (recipes[-1] if recipes else None), overrides, profile_path, "--json" in flags, \
         bool(flags & {"-h", "--help"})
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        recipe, overrides, as_json, want_help = parse_argv(sys.argv[1:] if argv is None else argv)
+        recipe, args, profile_path, as_json, want_help = parse_argv(
+            sys.argv[1:] if argv is None else argv)
         if want_help:
             print(format_help())
             return 0
-        plan = build_plan(load_config(recipe, overrides))
+        plan = build_plan(*load_recipe_and_profile(recipe, args, profile_path))
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
-"""The quickstart's warm start (`model.warm_start: toy_demonstrations`): a short supervised
-pass (trainer.train.sft) on synthetic demonstrations of the toy arithmetic tasks; the result is
-cached under the cache root. It lives with the quickstart, not in the trainer core: the
+"""The quickstart's warm start (`model.warm_start: launch.quickstart:toy_warm_start`): a
+short supervised pass (trainer.train.sft) on synthetic demonstrations of the toy arithmetic
+tasks; the result is cached under the cache root. It lives with the quickstart, not in the trainer core: the
 trainer only calls whatever `model.warm_start` names.
 
 Without it the tiny model starts from random weights, never calls a tool and never gets
@@ -117,9 +117,10 @@ def toy_warm_start(base_path: Path, cfg: "SluiceConfig") -> Path:
     from envs.cache import default_cache_dir
 
     if cfg.envs.tasks not in BUILDERS:
-        raise ValueError(f"model.warm_start=toy_demonstrations needs a toy_arithmetic task set "
-                         f"({', '.join(BUILDERS)}), not envs.tasks={cfg.envs.tasks!r}; set "
-                         "model.warm_start=null or write your own warm start")
+        raise ValueError(f"model.warm_start=launch.quickstart:toy_warm_start needs a "
+                         f"toy_arithmetic task set ({', '.join(BUILDERS)}), not "
+                         f"envs.tasks={cfg.envs.tasks!r}; set model.warm_start=null or write "
+                         "your own warm start")
     return warm_start_model(base_path, cfg.envs.tasks, steps=cfg.model.warm_start_steps,
                             max_observation_tokens=cfg.envs.max_observation_tokens,
                             cache_root=default_cache_dir() / "models")

@@ -1,7 +1,7 @@
 """Virtual-clock simulator: `python -m launch.simulate recipe=NAME.yaml [section.key=value ...]
---mode sync|async [--steps N] [--tail none|seed] [--sandboxes stateful|releasable]
-[--token-unit N] [--seed N] [--worker model|real] [--double-in-flight] [--json]
-[--trace FILE]`.
+[--profile FILE.yaml] [plan.key=value ...] --mode sync|async [--steps N] [--tail none|seed]
+[--sandboxes stateful|releasable] [--token-unit N] [--seed N] [--worker model|real]
+[--double-in-flight] [--json] [--trace FILE]`.
 
 Runs the real `Controller` and `ReplayBuffer` (admission bound, staleness, accounting),
 the real `Router` (sticky, least-loaded first turn) and `TurnGate` (pushes at turn
@@ -9,8 +9,8 @@ boundaries) on an asyncio loop whose clock fast-forwards (looptime), against sim
 engines (launch.sim.engine_model: HBM-bound decode, FLOP-bound prefill, KV pool with an LRU
 prefix cache), sandboxes (launch.sim.sandbox_model: heavy-tailed exec times, a fixed pool
 with queueing) and trainer (launch.sim.trainer_model: the planner's step formula, push
-bytes over bandwidth). The workload is the recipe's `plan` section, as for the planner,
-whose accounts are printed beside the simulator's.
+bytes over bandwidth). The workload is the planner's profile (launch.plan_profile: a
+`--profile` file and `plan.*` arguments), whose accounts are printed beside the simulator's.
 
 Trajectories: by default coroutines of `launch.sim.sides` that go through the router and
 gate but skip tokenisation, tool parsing and reward functions (seed scale in minutes);
@@ -30,14 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envs.types import Group, Message, Task
-from launch.plan import build_plan, compute_account, compute_sandbox_nodes
+from launch.plan import (build_plan, compute_account, compute_sandbox_nodes, load_recipe_and_profile,
+                         take_profile_flag)
+from launch.plan_profile import PlanProfile
 from launch.sim.engine_client import SimEngine, SimWorld
 from launch.sim.engine_model import EngineModel, build_engine_spec
 from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel, hang_prob_for
 from launch.sim.sides import SimRollout, SimSandboxes, SimTrainer, TrajectoryProfile
 from launch.sim.trainer_model import TrainerModel
 from trainer.run.config import SluiceConfig
-from trainer.run.recipe import load_config
 
 USAGE = __doc__.split("\n\n")[0]
 
@@ -46,7 +47,7 @@ USAGE = __doc__.split("\n\n")[0]
 class SimOptions:
     mode: str = "async"
     steps: int = 3
-    tail: str = "none"  # none: every exec takes plan.exec_s; seed: the seed's long tail
+    tail: str = "none"  # none: every exec takes the profile's exec_s; seed: the seed's long tail
     sandboxes: str = "stateful"
     token_unit: int = 100  # real tokens per id kept by the simulated agent loop
     seed: int = 0
@@ -91,12 +92,11 @@ class SimReport:
     wall_s: float
 
 
-def build_exec_model(cfg: SluiceConfig, turns: int, tail: str) -> ExecTimeModel:
-    p = cfg.plan
+def build_exec_model(cfg: SluiceConfig, exec_s: float, turns: int, tail: str) -> ExecTimeModel:
     if tail == "none":
-        return ExecTimeModel(mean_s=p.exec_s, sigma=0.0, timeout_s=float("inf"))
+        return ExecTimeModel(mean_s=exec_s, sigma=0.0, timeout_s=float("inf"))
     if tail == "seed":  # the seed's long-tail table, cut at the recipe's tool timeout
-        return ExecTimeModel(mean_s=p.exec_s, sigma=0.6, hang_prob=hang_prob_for(0.05, turns),
+        return ExecTimeModel(mean_s=exec_s, sigma=0.6, hang_prob=hang_prob_for(0.05, turns),
                              timeout_s=cfg.agent.tool_timeout_s, crash_prob=0.01,
                              max_retries=3, restart_s=3.0)
     raise ValueError(f"--tail {tail!r}: use none or seed")
@@ -115,7 +115,7 @@ class _Collect:
         return None
 
 
-async def simulate(cfg: SluiceConfig, opts: SimOptions,
+async def simulate(cfg: SluiceConfig, profile: PlanProfile, opts: SimOptions,
                    events_path: Path | None = None) -> tuple[SimReport, list[dict]]:
     """One simulated run of `opts.steps` steps; the report and the per-turn trace. With
     `events_path`, the controller also writes the run report's events.jsonl schema there
@@ -123,7 +123,7 @@ async def simulate(cfg: SluiceConfig, opts: SimOptions,
     from trainer.run.controller import Controller  # deferred: torch
     from trainer.run.metrics import EventSink, MetricsLogger
 
-    plan = build_plan(cfg)
+    plan = build_plan(cfg, profile)
     p = plan.inputs
     loop = asyncio.get_running_loop()
     world = SimWorld(opts.token_unit)
@@ -132,16 +132,17 @@ async def simulate(cfg: SluiceConfig, opts: SimOptions,
                for i in range(cfg.rollout.num_engines)}
     pool = SandboxPoolModel(cfg.envs.num_sandbox_workers * cfg.envs.sandboxes_per_worker,
                             restore_s=opts.restore_s)
-    exec_model = build_exec_model(cfg, p.turns, opts.tail)
+    exec_model = build_exec_model(cfg, p.exec_s, p.turns, opts.tail)
     if opts.worker == "real":  # the real AgentLoopWorker and agent loop, real token ids
         from launch.sim.agent_side import build_agent_rollout
 
-        rollout, tasks = build_agent_rollout(cfg, spec, SimSandboxes(pool), exec_model, opts.seed)
+        rollout, tasks = build_agent_rollout(cfg, plan, spec, SimSandboxes(pool), exec_model,
+                                             opts.seed)
         engines = rollout.engines
     else:
-        profile = TrajectoryProfile(p.turns, p.prompt_tokens, p.gen_tokens, p.obs_tokens,
-                                    opts.token_unit)
-        rollout = SimRollout(profile=profile, engines=engines, world=world,
+        trajectory = TrajectoryProfile(p.turns, p.prompt_tokens, p.gen_tokens, p.obs_tokens,
+                                       opts.token_unit)
+        rollout = SimRollout(profile=trajectory, engines=engines, world=world,
                              sandboxes=SimSandboxes(pool), exec_model=exec_model,
                              releasable=opts.sandboxes == "releasable",
                              trajectory_timeout_s=cfg.agent.trajectory_timeout_s, seed=opts.seed)
@@ -210,20 +211,20 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, rows
         virtual_s=end_s, wall_s=wall_s)
 
 
-def run_simulation(cfg: SluiceConfig, opts: SimOptions,
+def run_simulation(cfg: SluiceConfig, profile: PlanProfile, opts: SimOptions,
                    events_path: Path | None = None) -> tuple[SimReport, list[dict]]:
     """`simulate` on a fresh virtual-clock loop starting at 0."""
     import looptime  # deferred: only the simulator fast-forwards time
 
     loop = looptime.new_event_loop(start=0.0, noop_cycles=2)
     try:
-        return loop.run_until_complete(simulate(cfg, opts, events_path))
+        return loop.run_until_complete(simulate(cfg, profile, opts, events_path))
     finally:
         loop.close()
 
 
-def format_report(cfg: SluiceConfig, r: SimReport) -> str:
-    plan = build_plan(cfg)
+def format_report(cfg: SluiceConfig, profile: PlanProfile, r: SimReport) -> str:
+    plan = build_plan(cfg, profile)
     a = compute_account(plan.inputs)
     rows = [("step wall clock (s)", f"{r.mean_step_s:,.0f}", f"window {plan.inputs.window_s:,.0f}"),
             ("trajectory wall, mean / max (s)", f"{r.trajectory_wall_mean_s:,.0f} / "
@@ -275,8 +276,11 @@ def format_in_flight(base: SimReport, doubled: SimReport) -> str:
     return "doubling the trajectories in flight (the seed's practice experiment)\n" + "\n".join(rows)
 
 
-def parse_argv(argv: list[str]) -> tuple[str | None, list[str], SimOptions, bool, str | None]:
-    """(recipe, overrides, options, as_json, trace path); flags take `--flag value`."""
+def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None, SimOptions, bool,
+                                         str | None]:
+    """(recipe, overrides with plan.* ones, profile file, options, as_json, trace path);
+    flags take `--flag value`."""
+    argv, profile_path = take_profile_flag(argv)
     recipe, overrides, values, as_json, trace = None, [], {}, False, None
     doubled = False
     names = {"--mode": "mode", "--steps": "steps", "--tail": "tail", "--sandboxes": "sandboxes",
@@ -315,31 +319,33 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], SimOptions, bool
                          "sandboxes (the worker's environment holds one per trajectory)")
     if opts.steps < 1 or opts.token_unit < 1:
         raise ValueError("--steps and --token-unit must be >= 1")
-    return recipe, overrides, opts, as_json, trace
+    return recipe, overrides, profile_path, opts, as_json, trace
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
+        print(f"usage (the command line is the first paragraph):\n\n{__doc__}")
         return 0
     try:
-        recipe, overrides, opts, as_json, trace = parse_argv(argv)
-        cfg = load_config(recipe, [*overrides, f"train.mode={opts.mode}",
-                                   f"train.num_steps={opts.steps}", "eval.tasks=null"])
-        build_exec_model(cfg, 1, opts.tail)
-        build_plan(cfg)
+        recipe, overrides, profile_path, opts, as_json, trace = parse_argv(argv)
+        cfg, profile = load_recipe_and_profile(
+            recipe, [*overrides, f"train.mode={opts.mode}", f"train.num_steps={opts.steps}",
+                     "eval.tasks=null"], profile_path)
+        build_exec_model(cfg, profile.exec_s, 1, opts.tail)
+        build_plan(cfg, profile)
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    report, _ = run_simulation(cfg, opts, Path(trace) if trace else None)
+    report, _ = run_simulation(cfg, profile, opts, Path(trace) if trace else None)
     if opts.double_in_flight:
-        doubled, _ = run_simulation(double_in_flight(cfg), opts)
+        doubled, _ = run_simulation(double_in_flight(cfg), profile, opts)
         print(json.dumps({"as_configured": dataclasses.asdict(report),
                           "doubled": dataclasses.asdict(doubled)}, indent=2) if as_json
               else format_in_flight(report, doubled))
         return 0
-    print(json.dumps(dataclasses.asdict(report), indent=2) if as_json else format_report(cfg, report))
+    print(json.dumps(dataclasses.asdict(report), indent=2) if as_json
+          else format_report(cfg, profile, report))
     return 0
 
 

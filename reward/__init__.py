@@ -2,12 +2,12 @@
 
 A reward function is named by import string (`reward.fn` in the recipe, or
 `Task.reward_fn`) and resolved once by `load_reward_fn`; see `reward.base` for the
-protocol and `BUILTIN_REWARDS` for the built-ins.
+protocol, its built-ins (`REWARD_FNS`) and its contract check (`check_reward_fn`).
 """
 
-from reward.base import (BUILTIN_REWARDS, RewardContext, RewardFn, RewardResult, last_model_text,
-                         load_reward_fn, model_text, reward_fn_name)
+from reward.base import (REWARD_FNS, RewardContext, RewardFn, RewardResult, check_reward_fn,
+                         last_model_text, load_reward_fn, model_text, reward_fn_name)
 from reward.workspace import WorkspaceChanges
 
-__all__ = ["BUILTIN_REWARDS", "RewardContext", "RewardFn", "RewardResult", "WorkspaceChanges",
-           "last_model_text", "load_reward_fn", "model_text", "reward_fn_name"]
+__all__ = ["REWARD_FNS", "RewardContext", "RewardFn", "RewardResult", "WorkspaceChanges",
+           "check_reward_fn", "last_model_text", "load_reward_fn", "model_text", "reward_fn_name"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from envs.plugins import BUILTINS, resolve_plugin
+from envs.plugins import PluginPoint, signature_problem
 from envs.sandbox.base import Sandbox, SandboxSpec
 from envs.types import Task, Trajectory
 from reward.config import HACK_POLICIES, HackPolicy
@@ -81,14 +81,19 @@ class RewardFn(Protocol):
                        ctx: RewardContext) -> RewardResult: ...
 
 
-# The built-ins by short name -> import string (the one table lives in envs.plugins).
-BUILTIN_REWARDS: dict[str, str] = BUILTINS["reward fn"]
+# The reward-fn plug-in point: the built-ins by short name.
+REWARD_FNS = PluginPoint("reward fn", "reward.fn (or a task's reward_fn)", {
+    "exact_match": "reward.rules:ExactMatch",  # the final answer equals Task.answer
+    "numeric_match": "reward.rules:NumericMatch",  # within tolerance of Task.answer
+    "hidden_tests": "reward.grading.hidden_tests:HiddenTests",  # hidden / fail_to_pass / pass_to_pass pass
+    "judge": "reward.judge:GenerativeJudge",  # the judge model's SCORE for the answer
+})
 
 
 def load_reward_fn(import_string: str) -> RewardFn:
-    """An instance of the RewardFn named by `package.module:Class` (a class or a factory
-    taking no arguments); ValueError says what is wrong and how to fix it."""
-    obj = resolve_plugin("reward fn", import_string)
+    """An instance of the RewardFn named by a built-in name or `package.module:Class` (a
+    class or a factory taking no arguments); ValueError says what is wrong and how to fix it."""
+    obj = REWARD_FNS.resolve(import_string)
     if not callable(obj):
         raise ValueError(f"reward fn {import_string!r} is not a class or factory")
     try:
@@ -96,11 +101,20 @@ def load_reward_fn(import_string: str) -> RewardFn:
     except TypeError as exc:
         raise ValueError(f"reward fn {import_string!r} cannot be built without arguments "
                          f"({exc}); give its parameters defaults or name a factory") from exc
-    call = getattr(instance, "__call__", None)
-    if not asyncio.iscoroutinefunction(call):
+    if not callable(instance) or not asyncio.iscoroutinefunction(instance.__call__):
         raise ValueError(f"reward fn {import_string!r} must define "
                          "`async def __call__(self, trajectory, task, ctx) -> RewardResult`")
     return instance
+
+
+def check_reward_fn(import_string: str) -> None:
+    """The RewardFn contract, checked without scoring anything: it builds with no
+    arguments and its `async __call__` takes (trajectory, task, ctx). ValueError says what
+    to change."""
+    problem = signature_problem(load_reward_fn(import_string).__call__,
+                                ("trajectory", "task", "ctx"))
+    if problem:
+        raise ValueError(f"reward fn {import_string!r}: __call__{problem}")
 
 
 def reward_fn_name(task: Task, default: str) -> str:

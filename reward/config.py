@@ -17,7 +17,8 @@ HACK_POLICIES: tuple[HackPolicy, ...] = ("report", "zero")
 @dataclass(frozen=True, slots=True)
 class JudgeConfig:
     enabled: bool = knob(False, "Serve a generative reward model on the judge pool.")
-    model_path: str = knob("tiny", "Judge model folder ('tiny' on CPU); never synced.")
+    model_path: str = knob("", "Judge model folder, required with `enabled` ('tiny': the local "
+                           "test model); never synced with the policy.")
     num_engines: int = knob(1, "vLLM engines in the judge pool.")
     tp_size: int = knob(1, "Tensor-parallel GPUs per judge engine (1 on cpu).")
     cpus_per_engine: float = knob(1.0, "Ray CPUs reserved per judge engine.")

@@ -29,7 +29,7 @@ from rollout.parsers import parse_generation
 from rollout.tool_parser import ParsedTurn, validate_arguments
 from envs.types import Message, Task, TerminationReason, ToolCall, Trajectory
 
-from envs.plugins import resolve_plugin
+from envs.plugins import PluginPoint, signature_problem
 
 if TYPE_CHECKING:
     from rollout.config import RolloutRecipe
@@ -320,11 +320,34 @@ class ToolAgentLoop:
         return rec.finish(TerminationReason.MAX_TURNS)
 
 
+# The agent-loop plug-in point: the built-ins by short name.
+AGENT_LOOPS = PluginPoint("agent loop", "agent.loop (or a task's agent_loop)", {
+    "tool_agent": "rollout.agent_loop:ToolAgentLoop",
+    "single_turn": "rollout.agent_loop:SingleTurnLoop",
+})
+
+
 def load_agent_loop(name: str) -> type:
     """Resolve a built-in name or `package.module:Class` to an AgentLoop class; ValueError
     says what is wrong."""
-    obj = resolve_plugin("agent loop", name)
+    obj = AGENT_LOOPS.resolve(name)
     if not isinstance(obj, type) or not asyncio.iscoroutinefunction(getattr(obj, "run", None)):
         raise ValueError(f"agent loop {name!r} must be a class with "
                          f"`async def run(self, task, ctx) -> Trajectory`")
     return obj
+
+
+def check_agent_loop(name: str) -> None:
+    """The AgentLoop contract, checked without running the loop: a class with
+    `async def run(self, task, ctx)` that the worker can build as cls(). ValueError says
+    what to change."""
+    cls = load_agent_loop(name)
+    problem = signature_problem(cls.run, ("self", "task", "ctx"))
+    if problem:
+        raise ValueError(f"agent loop {name!r}: {cls.__name__}.run{problem}")
+    try:
+        cls()
+    except TypeError as exc:
+        raise ValueError(f"agent loop {name!r}: {cls.__name__}() cannot be built without "
+                         f"arguments ({exc}); the worker builds it as {cls.__name__}(), so give "
+                         "its parameters defaults") from exc

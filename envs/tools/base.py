@@ -15,7 +15,8 @@ would stall every trajectory of their worker, and no timeout could fire. Either 
 `blocking = True`: the agent loop then runs `execute` on a thread with its own event loop
 (the tool timeout holds; the thread finishes on its own). A worker notices a blocked loop
 and names the tools that were executing (rollout/event_loop_stalls). `check_tool_class`
-checks the contract any tool class must meet without building it.
+checks the contract any tool class must meet without building it; `TOOLS` holds the
+built-in tools by name, and recipes add or replace tools by import string (`envs.tools`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from envs.plugins import PluginPoint, signature_problem
+from envs.types import JsonObject, JsonValue
+
 if TYPE_CHECKING:
     from envs.trajectory_env import TrajectoryEnv
-from envs.types import JsonObject, JsonValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +61,23 @@ def needs_sandbox(tool_class: ToolClass) -> bool:
     return bool(getattr(tool_class, "needs_sandbox", False))
 
 
-def check_tool_class(name: str, tool_class: Any) -> None:
-    """The tool contract, checked without building the tool: a class (or factory) with a
-    string `name`, a function `schema` and `async def execute(self, arguments)`.
-    ValueError says what is missing."""
+# The tool plug-in point: the built-in tools by the name tasks call them.
+TOOLS = PluginPoint("tool", "envs.tools.<name>", {
+    "calculator": "envs.tools.calculator:CalculatorTool",
+    "bash": "envs.tools.sandbox_tools:BashTool",
+    "python": "envs.tools.sandbox_tools:PythonTool",
+    "read_file": "envs.tools.sandbox_tools:ReadFileTool",
+    "write_file": "envs.tools.sandbox_tools:WriteFileTool",
+    "str_replace": "envs.tools.sandbox_tools:StrReplaceTool",
+    "run_tests": "envs.tools.sandbox_tools:RunTestsTool",
+    "submit": "envs.tools.sandbox_tools:SubmitTool",
+})
+
+
+def check_tool_class(name: str, tool_class: Any) -> None:  # Any: a user's object, checked here
+    """The tool contract, checked without building the tool: a class (or factory) built as
+    `cls(env)`, with a string `name`, a function `schema` and `async def execute(self,
+    arguments)`. ValueError says what is missing."""
     import inspect
 
     if not callable(tool_class):
@@ -78,6 +94,21 @@ def check_tool_class(name: str, tool_class: Any) -> None:
         if not inspect.iscoroutinefunction(execute):
             raise ValueError(f"tool {name!r}: {tool_class.__name__} needs "
                              "`async def execute(self, arguments) -> ToolResult`")
+        problem = signature_problem(execute, ("self", "arguments"))
+        if problem:
+            raise ValueError(f"tool {name!r}: {tool_class.__name__}.execute{problem}")
+    problem = signature_problem(tool_class, ("env",))
+    if problem:
+        raise ValueError(f"tool {name!r}: {getattr(tool_class, '__name__', tool_class)}{problem} "
+                         "(tools are built as cls(env))")
+
+
+def load_tool_class(name: str, ref: str) -> ToolClass:
+    """The tool class `ref` (a built-in tool name or an import string) names, checked
+    against the tool contract; ValueError says what is wrong."""
+    tool_class = TOOLS.resolve(ref)
+    check_tool_class(name, tool_class)
+    return tool_class  # type: ignore[return-value]  # checked just above
 
 
 def function_schema(name: str, description: str, properties: Mapping[str, JsonValue],

@@ -32,6 +32,7 @@ import numpy as np
 from envs.pool import SandboxLease
 from envs.sandbox.base import ExecResult, SandboxSpec
 from envs.types import Group, Message, Task, Trajectory, WorkspaceChanges
+from launch.plan import Plan
 from launch.sim.engine_client import SimEngine
 from launch.sim.engine_model import EngineModel, EngineSpec, SimRequest
 from launch.sim.sandbox_model import ExecTimeModel
@@ -194,7 +195,7 @@ class AgentRollout:
             engine.close()
 
 
-def build_agent_rollout(cfg: SluiceConfig, spec: EngineSpec, sandboxes: SimSandboxes,
+def build_agent_rollout(cfg: SluiceConfig, plan: Plan, spec: EngineSpec, sandboxes: SimSandboxes,
                         exec_model: ExecTimeModel, seed: int) -> tuple[AgentRollout, list[Task]]:
     """The recipe's AgentLoopWorker (rollout.worker.build_agent_worker: its tokenizer,
     chat family and tool parser, the built-in tools, ExactMatch rewards) on the tiny
@@ -202,8 +203,8 @@ def build_agent_rollout(cfg: SluiceConfig, spec: EngineSpec, sandboxes: SimSandb
     from rollout.worker import build_agent_worker
     from trainer.run.tiny_model import ensure_tiny_model
 
-    p = cfg.plan
-    turns = p.turns or cfg.agent.max_turns
+    p = plan.inputs
+    turns = p.turns
     if p.gen_tokens > cfg.agent.max_new_tokens_per_turn:
         raise ValueError(f"plan.gen_tokens={p.gen_tokens} exceeds agent.max_new_tokens_per_turn="
                          f"{cfg.agent.max_new_tokens_per_turn}: the scripted tool call would be "

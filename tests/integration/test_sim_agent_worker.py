@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from launch.plan import load_recipe_and_profile
 from launch.simulate import SimOptions, run_simulation
-from trainer.run.recipe import load_config
 
 pytest.importorskip("looptime")
 
@@ -22,8 +22,8 @@ SMALL = ["plan.model_params_b=8", "plan.kv_bytes_per_token=131072", "plan.prompt
 
 
 def test_the_real_worker_runs_the_scripted_trajectories():
-    cfg = load_config("swe_grpo.yaml", SMALL)
-    real, trace = run_simulation(cfg, SimOptions(steps=2, worker="real", token_unit=1))
+    cfg, profile = load_recipe_and_profile("swe_grpo.yaml", SMALL, None)
+    real, trace = run_simulation(cfg, profile, SimOptions(steps=2, worker="real", token_unit=1))
     # Every trajectory: 2 parsed bash calls (each runs 30 s in a simulated sandbox), then
     # the final answer; ExactMatch scores the even samples of a group 1, the odd ones 0.
     assert real.end_reasons == {"finished": len(trace)} and len(trace) >= 32
@@ -37,7 +37,7 @@ def test_the_real_worker_runs_the_scripted_trajectories():
     assert real.sandboxes_peak == 8 and real.sandbox_wait_max_s == 0
     assert real.step_s[1] > 2 * real.trajectory_wall_mean_s
     assert real.prefix_cache_hit_rate > 0.3  # turns 2 and 3 hit their own prefix
-    model, _ = run_simulation(cfg, SimOptions(steps=2, token_unit=1))
+    model, _ = run_simulation(cfg, profile, SimOptions(steps=2, token_unit=1))
     # The same profile through the simulator's own trajectories: the clock agrees (it is
     # the execs' 60 s plus decode; the real worker's contexts are its template's size).
     assert real.trajectory_wall_mean_s == pytest.approx(model.trajectory_wall_mean_s, rel=0.05)

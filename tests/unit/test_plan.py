@@ -1,6 +1,7 @@
 """The capacity planner (launch.plan): the seed's section-7 accounts from its own inputs, a
 second scenario computed by hand, model shapes from config.json, sandbox nodes, ratios,
-the `plan.*` section of the schema and the command line."""
+the planner's own workload profile (`plan.*` arguments, a profile file) and the command
+line."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 from model_configs import QWEN3_8B
 
-from launch.plan import (PlanInputs, SandboxNode, build_plan, compute_account,
+from launch.plan import (Plan, PlanInputs, SandboxNode, build_plan, compute_account,
                          compute_decode_bound_tokens_per_s, compute_ratios,
-                         compute_sandbox_nodes, main, read_model_shape)
+                         compute_sandbox_nodes, load_recipe_and_profile, main, read_model_shape)
+from launch.plan_profile import load_profile
 from trainer.run.recipe import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +39,13 @@ SEED = ["rollout.num_engines=32", "rollout.tp_size=1", "plan.train_gpus=32",
         "plan.gen_tokens=400", "plan.gen_s=10", "plan.exec_s=30", "plan.cores_per_exec=1",
         "plan.obs_tokens=1600", "plan.window_s=1800", "plan.decode_tokens_per_s_per_gpu=2000",
         "plan.gpu_flops=989e12", "plan.mfu_prefill=0.5", "plan.mfu_train=0.4",
-        "plan.gpu_memory_gb=80", "plan.hbm_bytes_per_s=2e12"]
+        "cluster.gpu_memory_gb=80", "plan.hbm_bytes_per_s=2e12"]
+
+
+def plan_of(recipe: str, args: list[str] | tuple[str, ...] = (), profile: str | None = None) -> Plan:
+    """The plan of a recipe and one argument list, as the command line splits it (recipe
+    keys, `plan.*` profile keys)."""
+    return build_plan(*load_recipe_and_profile(recipe, list(args), profile))
 
 
 def _round_sig(x: float, digits: int) -> float:
@@ -46,7 +54,7 @@ def _round_sig(x: float, digits: int) -> float:
 
 @pytest.fixture(scope="module")
 def seed_plan():
-    plan = build_plan(load_config("swe_grpo.yaml", SEED))
+    plan = plan_of("swe_grpo.yaml", SEED)
     return plan, compute_account(plan.inputs)
 
 
@@ -176,7 +184,7 @@ QWEN3_8B_PARAMS = (36 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 
 def test_model_params_and_kv_bytes_come_from_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
     assert QWEN3_8B_PARAMS == 8_190_726_144 == 8_190_735_360 - 36 * 2 * 128
-    plan = build_plan(load_config("swe_grpo.yaml", [f"model.path={tmp_path}"]))
+    plan = plan_of("swe_grpo.yaml", [f"model.path={tmp_path}"])
     assert plan.inputs.model_params_b * 1e9 == pytest.approx(QWEN3_8B_PARAMS, rel=1e-12)
     assert plan.inputs.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147_456  # bf16 K and V
     # TP2 engines hold half the weights per GPU: 80 GB x 0.9 - 8.19 GB
@@ -184,10 +192,9 @@ def test_model_params_and_kv_bytes_come_from_config_json(tmp_path):
     assert {key for key, _, _ in plan.sources} >= {"model_params_b", "kv_bytes_per_token",
                                                    "kv_pool_gb_per_gpu"}
 
-    fp32 = build_plan(load_config("swe_grpo.yaml", [f"model.path={tmp_path}", "model.dtype=float32"]))
+    fp32 = plan_of("swe_grpo.yaml", [f"model.path={tmp_path}", "model.dtype=float32"])
     assert fp32.inputs.kv_bytes_per_token == 2 * 147_456
-    given = build_plan(load_config("swe_grpo.yaml", [f"model.path={tmp_path}",
-                                                     "plan.model_params_b=7.5"]))
+    given = plan_of("swe_grpo.yaml", [f"model.path={tmp_path}", "plan.model_params_b=7.5"])
     assert given.inputs.model_params_b == 7.5  # an override wins over the config
 
 
@@ -208,19 +215,19 @@ def test_shape_defaults_and_biases():
 def test_a_missing_or_moe_config_says_which_keys_to_set(tmp_path):
     with pytest.raises(ValueError, match=r"plan.model_params_b.*no config.json.*"
                                          r"set plan.model_params_b and plan.kv_bytes_per_token"):
-        build_plan(load_config("swe_grpo.yaml"))  # /models/Qwen3-8B is not on this machine
+        plan_of("swe_grpo.yaml")  # /models/Qwen3-8B is not on this machine
     with pytest.raises(ValueError, match="set plan.kv_bytes_per_token"):
-        build_plan(load_config("swe_grpo.yaml", ["plan.model_params_b=8"]))
+        plan_of("swe_grpo.yaml", ["plan.model_params_b=8"])
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3_8B, "num_experts": 128}))
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        build_plan(load_config("swe_grpo.yaml", [f"model.path={tmp_path}"]))
+        plan_of("swe_grpo.yaml", [f"model.path={tmp_path}"])
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="lacks 'num_attention_heads'"):
-        build_plan(load_config("swe_grpo.yaml", [f"model.path={tmp_path}"]))
+        plan_of("swe_grpo.yaml", [f"model.path={tmp_path}"])
 
 
 def test_recipe_defaults_fill_the_none_keys():
-    plan = build_plan(load_config("quickstart.yaml"))  # the tiny model's shape, no file read
+    plan = plan_of("quickstart.yaml")  # the tiny model's shape, no file read
     p = plan.inputs
     assert (p.turns, p.rollout_gpus, p.train_gpus) == (4, 1, 1)
     assert p.kv_bytes_per_token == 2 * 2 * 1 * 64 * 4  # 2 layers, 1 KV head of 64, fp32
@@ -229,25 +236,35 @@ def test_recipe_defaults_fill_the_none_keys():
     assert plan.recipe_sandboxes == 32
     big = ["plan.model_params_b=40", "plan.kv_bytes_per_token=1"]
     # 80 GB of bf16 weights: at TP2 40 GB per GPU leave 72 - 40 for KV; at TP1 nothing is left
-    assert build_plan(load_config("swe_grpo.yaml", big)).inputs.kv_pool_gb_per_gpu == \
+    assert plan_of("swe_grpo.yaml", big).inputs.kv_pool_gb_per_gpu == \
         pytest.approx(32, rel=1e-12)
     with pytest.raises(ValueError, match="raise rollout.tp_size or set plan.kv_pool_gb_per_gpu"):
-        build_plan(load_config("swe_grpo.yaml", [*big, "rollout.tp_size=1"]))
+        plan_of("swe_grpo.yaml", [*big, "rollout.tp_size=1"])
 
 
-def test_plan_keys_are_ordinary_checked_overrides():
-    cfg = load_config("swe_grpo.yaml", ["plan.exec_s=45", "plan.turns=30"])
-    assert (cfg.plan.exec_s, cfg.plan.turns) == (45.0, 30)
-    with pytest.raises(ConfigError, match="plan.exec_s"):
-        load_config("swe_grpo.yaml", ["plan.exec_sec=45"])
+def test_the_profile_is_the_planners_own_checked_input(tmp_path):
+    profile = load_profile(None, ["plan.exec_s=45", "plan.turns=30"])
+    assert (profile.exec_s, profile.turns, profile.gen_s) == (45.0, 30, 10.0)  # the rest: defaults
+    with pytest.raises(ConfigError, match="did you mean 'plan.exec_s'.*python -m launch.plan --help"):
+        load_profile(None, ["plan.exec_sec=45"])
     with pytest.raises(ValueError, match=r"plan.mfu_train: a utilisation must be in \(0, 1\]"):
-        load_config("swe_grpo.yaml", ["plan.mfu_train=1.5"])
+        load_profile(None, ["plan.mfu_train=1.5"])
     with pytest.raises(ValueError, match="plan.exec_s: must be >= 0"):
-        load_config("swe_grpo.yaml", ["plan.exec_s=-1"])
+        load_profile(None, ["plan.exec_s=-1"])
     with pytest.raises(ValueError, match="plan.rollout_gpus: must be > 0"):
-        load_config("swe_grpo.yaml", ["plan.rollout_gpus=0"])
+        load_profile(None, ["plan.rollout_gpus=0"])
     with pytest.raises(ValueError, match="plan.gen_s"):
-        load_config("swe_grpo.yaml", ["plan.gen_s=0", "plan.exec_s=0"])
+        load_profile(None, ["plan.gen_s=0", "plan.exec_s=0"])
+    # A profile file, with arguments on top of it.
+    path = tmp_path / "workload.yaml"
+    path.write_text("plan:\n  exec_s: 60\n  obs_tokens: 2400\n")
+    from_file = load_profile(path, ["plan.obs_tokens=100"])
+    assert (from_file.exec_s, from_file.obs_tokens) == (60.0, 100)
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_profile(tmp_path / "missing.yaml")
+    # A training run never reads the profile: its keys are not recipe keys.
+    with pytest.raises(ConfigError, match="unknown config key 'plan'"):
+        load_config("swe_grpo.yaml", ["plan.exec_s=45"])
 
 
 def test_json_has_exactly_the_issue_keys(capsys):
@@ -255,6 +272,19 @@ def test_json_has_exactly_the_issue_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ACCOUNT_KEYS
     assert out["executions"] == 80_000 and out["kv_need_bytes"] == 4000 * 40_000 * 131_072
+
+
+def test_a_profile_file_on_the_command_line(tmp_path, capsys):
+    path = tmp_path / "slow_tests.yaml"
+    path.write_text("plan:\n  exec_s: 60\n  cores_per_exec: 2\n")
+    seed = [arg for arg in SEED if not arg.startswith(("plan.exec_s", "plan.cores_per_exec"))]
+    assert main(["recipe=swe_grpo.yaml", *seed, "--profile", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cpu_hours"] == pytest.approx(80_000 * 60 * 2 / 3600, rel=1e-12)
+    assert main(["recipe=swe_grpo.yaml", *seed, f"--profile={path}", "plan.exec_s=30", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cpu_hours"] == pytest.approx(80_000 * 30 * 2 / 3600)
+    assert main(["recipe=swe_grpo.yaml", "--profile"]) == 2
+    assert "--profile needs a file" in capsys.readouterr().err
 
 
 def test_the_table_prints_both_accounts_nodes_and_ratios(capsys):
@@ -284,11 +314,11 @@ def test_cli_errors_and_help(capsys):
 
 
 def test_module_entry_point_runs_without_heavy_imports():
-    probe = ("import sys, runpy; sys.argv = ['plan', 'recipe=swe_grpo.yaml', %s, '--json'];\n"
+    probe = ("import sys, runpy; sys.argv = ['plan', 'recipe=swe_grpo.yaml', {}, '--json'];\n"
              "try:\n    runpy.run_module('launch.plan', run_name='__main__')\n"
              "except SystemExit as e:\n    code = e.code\n"
              "print('HEAVY', [m for m in ('torch', 'ray', 'vllm', 'transformers') if m in sys.modules])\n"
-             "sys.exit(code)") % ", ".join(repr(s) for s in SEED)
+             "sys.exit(code)").format(", ".join(repr(s) for s in SEED))
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

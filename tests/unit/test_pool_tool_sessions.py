@@ -13,8 +13,7 @@ import pytest
 
 from envs.pool import SANDBOX_FAULT_EXIT_CODE, SandboxLease
 from envs.sandbox.base import ExecResult, SandboxSpec
-from envs.plugins import BUILTINS, resolve_plugin
-from envs.tools.base import ToolResult, check_tool_class, function_schema
+from envs.tools.base import TOOLS, ToolResult, function_schema, load_tool_class
 from envs.tools.sandbox_tools import (SandboxToolSettings, approx_token_count, render_exec_result,
                                       truncate_observation, workspace_relative)
 from envs.trajectory_env import EnvBuilder, TrajectoryEnv, load_tool_classes
@@ -246,9 +245,9 @@ async def test_visible_tests_are_copied_and_checkpointed_but_hidden_ones_are_ref
 
 
 def test_every_builtin_tool_meets_the_contract_under_its_name() -> None:
-    for name, path in BUILTINS["tool"].items():
-        cls = resolve_plugin("tool", path)
-        check_tool_class(name, cls)
+    for name, path in TOOLS.builtins.items():
+        assert path.startswith("envs.tools.")  # each built-in lives in the package of its table
+        cls = load_tool_class(name, path)
         assert cls.name == name and cls.schema["function"]["name"] == name
         assert cls.schema["function"]["parameters"]["additionalProperties"] is False
 

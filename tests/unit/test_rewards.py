@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from envs.sandbox.base import Snapshot
-from reward.base import (BUILTIN_REWARDS, RewardContext, RewardFn, RewardResult,
+from reward.base import (REWARD_FNS, RewardContext, RewardFn, RewardResult, check_reward_fn,
                          last_model_text, load_reward_fn)
 from reward.grading.junit import Outcome, junit_key, parse_junit
 from reward.rules import ExactMatch, NumericMatch, extract_final_answer, parse_number
@@ -116,10 +116,12 @@ async def test_rule_builtins_meet_the_reward_fn_contract(name: str) -> None:
 
 
 def test_load_reward_fn_errors() -> None:
-    assert set(BUILTIN_REWARDS.values()) == {"reward.rules:ExactMatch", "reward.rules:NumericMatch",
-                                             "reward.grading.hidden_tests:HiddenTests", "reward.judge:GenerativeJudge"}
-    for name, path in BUILTIN_REWARDS.items():  # the short name and the import string alike
+    assert set(REWARD_FNS.builtins.values()) == {
+        "reward.rules:ExactMatch", "reward.rules:NumericMatch",
+        "reward.grading.hidden_tests:HiddenTests", "reward.judge:GenerativeJudge"}
+    for name, path in REWARD_FNS.builtins.items():  # the short name and the import string alike
         assert type(load_reward_fn(name)) is type(load_reward_fn(path))
+        check_reward_fn(name)  # every built-in passes the plug-in point's contract check
     for bad, message in [("reward.rules.ExactMatch", "neither a built-in nor an import string"),
                          ("reward.nope:X", "cannot import 'reward.nope'"),
                          ("reward.rules:Nope", "has no attribute 'Nope'"),

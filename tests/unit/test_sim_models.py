@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from launch.plan import build_plan, compute_account, compute_decode_bound_tokens_per_s
+from launch.plan import compute_account, compute_decode_bound_tokens_per_s
 from launch.sim.engine_model import EngineModel, SimRequest, build_engine_spec
 from launch.sim.trainer_model import TrainerModel
-from trainer.run.recipe import load_config
 
-from tests.unit.test_plan import SEED
+from tests.unit.test_plan import SEED, plan_of
 
 
 @pytest.fixture(scope="module")
 def seed_plan():
-    return build_plan(load_config("swe_grpo.yaml", SEED))
+    return plan_of("swe_grpo.yaml", SEED)
 
 
 def test_trainer_step_and_push_by_hand(seed_plan):

@@ -11,9 +11,8 @@ import math
 
 import pytest
 
-from launch.plan import build_plan, compute_account, compute_train_s
+from launch.plan import build_plan, compute_account, compute_train_s, load_recipe_and_profile
 from launch.simulate import SimOptions, double_in_flight, main, run_simulation
-from trainer.run.recipe import load_config
 
 pytest.importorskip("looptime")
 
@@ -26,25 +25,26 @@ SMALL = ["plan.model_params_b=8", "plan.kv_bytes_per_token=131072", "plan.prompt
 
 
 def _cfg(mode: str = "async", steps: int = 3, extra: tuple[str, ...] = ()):
-    return load_config("swe_grpo.yaml", [*SMALL, f"train.mode={mode}",
-                                         f"train.num_steps={steps}", *extra])
+    """(recipe, workload profile) of SMALL, as the simulator's command line splits them."""
+    return load_recipe_and_profile("swe_grpo.yaml", [*SMALL, f"train.mode={mode}",
+                                                     f"train.num_steps={steps}", *extra], None)
 
 
 def test_the_same_seed_gives_the_same_run():
     opts = SimOptions(tail="seed", seed=3)
-    first, trace_a = run_simulation(_cfg(), opts)
-    second, trace_b = run_simulation(_cfg(), opts)
+    first, trace_a = run_simulation(*_cfg(), opts)
+    second, trace_b = run_simulation(*_cfg(), opts)
     assert dataclasses.replace(first, wall_s=0) == dataclasses.replace(second, wall_s=0)
     assert trace_a == trace_b and len(trace_a) == first.turns > 0
-    other, _ = run_simulation(_cfg(), dataclasses.replace(opts, seed=4))
+    other, _ = run_simulation(*_cfg(), dataclasses.replace(opts, seed=4))
     assert other.step_s != first.step_s  # the seed drives the exec-time draws
 
 
 def test_with_zero_latency_accounting_and_admission_hold():
-    cfg = _cfg(steps=4)
-    cfg = dataclasses.replace(cfg, plan=dataclasses.replace(
-        cfg.plan, exec_s=0.0, gen_s=1.0, gpu_flops=math.inf, hbm_bytes_per_s=math.inf))
-    r, _ = run_simulation(cfg, SimOptions(push_latency_s=0.0, push_bytes_per_s=math.inf))
+    cfg, profile = _cfg(steps=4)
+    profile = dataclasses.replace(profile, exec_s=0.0, gen_s=1.0, gpu_flops=math.inf,
+                                  hbm_bytes_per_s=math.inf)
+    r, _ = run_simulation(cfg, profile, SimOptions(push_latency_s=0.0, push_bytes_per_s=math.inf))
     assert r.virtual_s == 0.0 and r.step_s == (0.0,) * 4
     groups = r.trajectories_trained // 4
     assert groups == 4 * 8
@@ -56,10 +56,11 @@ def test_with_zero_latency_accounting_and_admission_hold():
 
 
 def test_sync_steps_agree_with_the_planner_where_its_assumptions_hold():
-    cfg = _cfg(mode="sync", steps=2)
-    r, trace = run_simulation(cfg, SimOptions(tail="none", push_latency_s=0.0,
-                                              push_bytes_per_s=math.inf))
-    a, p = compute_account(build_plan(cfg).inputs), build_plan(cfg).inputs
+    cfg, profile = _cfg(mode="sync", steps=2)
+    r, trace = run_simulation(cfg, profile, SimOptions(tail="none", push_latency_s=0.0,
+                                                       push_bytes_per_s=math.inf))
+    p = build_plan(cfg, profile).inputs
+    a = compute_account(p)
     # One version per step: every token of a trained trajectory is of the trainer's version.
     assert r.staleness_max == 0
     # Sync steps start on an empty, freshly reset cache and a roomy pool (32 trajectories,
@@ -93,9 +94,9 @@ def test_sync_steps_agree_with_the_planner_where_its_assumptions_hold():
 
 def test_a_small_pool_recomputes_like_the_planners_uncached_bound():
     # 1.5 GB of KV per engine (715 blocks): one whole trajectory (626 blocks) fits, two do not.
-    cfg = _cfg(mode="sync", steps=1, extra=("plan.kv_pool_gb_per_gpu=1.5",))
-    r, _ = run_simulation(cfg, SimOptions(push_latency_s=0.0))
-    a, turns = compute_account(build_plan(cfg).inputs), 5
+    cfg, profile = _cfg(mode="sync", steps=1, extra=("plan.kv_pool_gb_per_gpu=1.5",))
+    r, _ = run_simulation(cfg, profile, SimOptions(push_latency_s=0.0))
+    a, turns = compute_account(build_plan(cfg, profile).inputs), 5
     assert r.prefix_cache_hit_rate < 0.05
     # Sum over turns of the context (i x 2,000 tokens, i < turns) vs the planner's
     # turns x final / 2: (turns - 1) / turns of it, with the prompt at 0.
@@ -121,9 +122,9 @@ def test_cli_prints_the_comparison_and_writes_a_trace(tmp_path, capsys):
 def test_doubling_the_trajectories_in_flight_lowers_the_hit_rate(capsys):
     # The seed's experiment: 6 GB of KV per engine holds ~9 whole trajectories; 16 per
     # engine in flight already evict some, 32 evict most.
-    cfg = _cfg(mode="async", steps=2, extra=("plan.kv_pool_gb_per_gpu=6",))
-    base, _ = run_simulation(cfg, SimOptions())
-    doubled, _ = run_simulation(double_in_flight(cfg), SimOptions())
+    cfg, profile = _cfg(mode="async", steps=2, extra=("plan.kv_pool_gb_per_gpu=6",))
+    base, _ = run_simulation(cfg, profile, SimOptions())
+    doubled, _ = run_simulation(double_in_flight(cfg), profile, SimOptions())
     assert doubled.trajectories_trained == 2 * base.trajectories_trained
     assert doubled.prefix_cache_hit_rate < base.prefix_cache_hit_rate
     per_traj = [r.prefill_s_per_step / r.trajectories_trained for r in (base, doubled)]

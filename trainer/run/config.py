@@ -17,9 +17,14 @@ from typing import Literal
 from buffer.config import BufferConfig
 from envs.config import EnvsConfig
 from envs.knobs import iter_fields, knob, mapping_knob, section
-from envs.plugins import check_plugin_name
+from envs.plugins import PluginPoint
+from envs.sandbox.backends import SANDBOX_BACKENDS
+from envs.tools.base import TOOLS
+from rollout.agent_loop import AGENT_LOOPS
 from rollout.config import AgentConfig, RewardConfig, RolloutConfig
-from trainer.plan_config import PlanConfig
+from rollout.reward_plugins import REWARD_FNS
+from trainer.run.warm_start import WARM_STARTS
+from trainer.train.backends import TRAIN_BACKENDS
 from trainer.train.config import LossConfig, SyncConfig, TrainConfig
 
 __all__ = ["AgentConfig", "BufferConfig", "CheckpointConfig", "ClusterConfig", "EnvsConfig",
@@ -44,6 +49,9 @@ class ClusterConfig:
                                  "sandbox workers; each sandbox worker takes 1.")
     pool_ready_timeout_s: float = knob(60.0, "How long to wait for each resource pool to be "
                                        "placed before failing with what is missing.")
+    gpu_memory_gb: float = knob(80.0, "Memory of one GPU in GB (cuda): the start-up model "
+                                "checks size a train rank against it and an engine's KV cache "
+                                "from it when rollout.kv_cache_memory_bytes is unset.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +67,10 @@ class ModelConfig:
         "RoPE scaling applied to the policy in the engines (vLLM hf_overrides) and the trainer "
         "alike, e.g. {rope_type: yarn, factor: 2.0, original_max_position_embeddings: 32768} "
         "for 65,536 positions of Qwen3; types yarn, linear, dynamic. Empty: the model's own.")
-    warm_start: str | None = knob(None, "Warm start before RL: a built-in name or import string "
-                                  "of a callable (base model folder, config) -> model folder, "
-                                  "e.g. the quickstart's 'toy_demonstrations'; None: model.path as is.")
+    warm_start: str | None = knob(None, "Warm start before RL: the import string of a callable "
+                                  "(base model folder, config) -> model folder "
+                                  "(trainer.run.warm_start), e.g. the quickstart's "
+                                  "'launch.quickstart:toy_warm_start'; None: model.path as is.")
     warm_start_steps: int = knob(0, "Supervised steps of the warm start (model.warm_start).")
 
 
@@ -116,7 +125,6 @@ class SluiceConfig:
     sync: SyncConfig = section(SyncConfig, "Weight push to the engines.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     logging: LoggingConfig = section(LoggingConfig, "Metrics sinks and run folder.")
-    plan: PlanConfig = section(PlanConfig, "Workload profile of the planner (launch.plan).")
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -151,7 +159,10 @@ def check_config(cfg: SluiceConfig) -> None:
                  "a judge needs >= 1 engine of >= 1 GPU")
         _require(not (cpu and j.tp_size > 1), "reward.judge.tp_size", "must be 1 on cpu")
         _require(j.max_new_tokens >= 1, "reward.judge.max_new_tokens", "must be >= 1")
-    _require(j.enabled or cfg.reward.fn not in ("judge", "reward.judge:GenerativeJudge"),
+        _require(bool(j.model_path), "reward.judge.model_path", "is required with "
+                 "reward.judge.enabled=true: a Hugging Face model folder, or 'tiny' for the "
+                 "local test model")
+    _require(j.enabled or REWARD_FNS.import_string(cfg.reward.fn) != REWARD_FNS.builtins["judge"],
              "reward.judge.enabled",
              "reward.fn=reward.judge:GenerativeJudge needs a judge model: set "
              "reward.judge.enabled=true")
@@ -166,12 +177,15 @@ def check_config(cfg: SluiceConfig) -> None:
              f"must leave room for the prompt below model.max_context_tokens "
              f"({cfg.model.max_context_tokens})")
     _require(a.max_tool_calls_per_turn >= 1, "agent.max_tool_calls_per_turn", "must be >= 1")
-    for key, kind, value in [("agent.loop", "agent loop", a.loop),
-                             ("reward.fn", "reward fn", cfg.reward.fn),
-                             ("model.warm_start", "warm start", cfg.model.warm_start),
-                             *(("envs.tools", "tool", v) for v in cfg.envs.tools.values())]:
+    named: list[tuple[str, PluginPoint, str | None]] = [
+        ("agent.loop", AGENT_LOOPS, a.loop), ("reward.fn", REWARD_FNS, cfg.reward.fn),
+        ("model.warm_start", WARM_STARTS, cfg.model.warm_start),
+        ("envs.sandbox_backend", SANDBOX_BACKENDS, cfg.envs.sandbox_backend),
+        ("train.backend", TRAIN_BACKENDS, t.backend),
+        *((f"envs.tools.{name}", TOOLS, ref) for name, ref in cfg.envs.tools.items())]
+    for key, point, value in named:  # names only; start-up validation imports and checks them
         if value is not None:
-            problem = check_plugin_name(kind, value)
+            problem = point.check_name(value)
             _require(problem is None, key, str(problem))
     for key, value in [("agent.tool_timeout_s", a.tool_timeout_s),
                        ("agent.trajectory_timeout_s", a.trajectory_timeout_s),

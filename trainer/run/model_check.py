@@ -190,12 +190,12 @@ def _check_policy(cfg: SluiceConfig, shape: DecoderShape, config: Mapping[str, A
             f"less than one sequence of model.max_context_tokens={ctx:,} (vLLM refuses to "
             f"start); raise rollout.kv_cache_memory_bytes or rollout.gpu_memory_utilization, "
             f"raise rollout.tp_size, or lower model.max_context_tokens")
-    gpu_bytes = cfg.plan.gpu_memory_gb * 1e9
+    gpu_bytes = cfg.cluster.gpu_memory_gb * 1e9
     train = report.memory[0]
     if cfg.cluster.device == "cuda" and train.total > gpu_bytes:
         report.warnings.append(
             f"a train rank is estimated at {train.total / GIB:.1f} GiB, over the "
-            f"{cfg.plan.gpu_memory_gb:g} GB of plan.gpu_memory_gb: raise train.num_ranks or "
+            f"{cfg.cluster.gpu_memory_gb:g} GB of cluster.gpu_memory_gb: raise train.num_ranks or "
             f"train.zero_stage, turn on train.gradient_checkpointing, or lower "
             f"train.micro_batch_tokens / train.logprob_chunk_tokens")
 
@@ -287,7 +287,7 @@ def estimate_engine_gpu(cfg: SluiceConfig, shape: DecoderShape, dtype_bytes: int
     if kv_cache_memory_bytes is not None:
         kv = float(kv_cache_memory_bytes)
     else:
-        kv = max(0.0, cfg.plan.gpu_memory_gb * 1e9 * cfg.rollout.gpu_memory_utilization - weights)
+        kv = max(0.0, cfg.cluster.gpu_memory_gb * 1e9 * cfg.rollout.gpu_memory_utilization - weights)
     device = "GPU" if cfg.cluster.device == "cuda" else "process"
     line = MemoryLine(f"{what} {device} (tp={tp_size})",
                       (("weights shard", weights), (f"KV cache ({per_token / 1024:.0f} KiB/token)", kv)))

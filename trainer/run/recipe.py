@@ -12,10 +12,11 @@ import types
 import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from trainer.run.config import SluiceConfig, iter_fields
 
+T = TypeVar("T")
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
@@ -36,11 +37,16 @@ def resolve_recipe_path(recipe: str) -> Path:
 
 def load_config(recipe: str | None, overrides: list[str] | tuple[str, ...] = ()) -> SluiceConfig:
     """Merge a recipe file (or the schema defaults when None) with `a.b=c` overrides."""
+    return build_config(read_layers(resolve_recipe_path(recipe) if recipe else None, overrides))
+
+
+def read_layers(path: Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A YAML file (None: nothing) merged with `a.b=c` overrides, as plain data."""
     from omegaconf import OmegaConf  # deferred: only config loading needs it
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        layers = [_load_yaml(resolve_recipe_path(recipe))] if recipe else []
+        layers = [_load_yaml(path)] if path is not None else []
         for item in overrides:
             if "=" not in item or item.startswith("="):
                 raise ConfigError(f"override {item!r} is not of the form key.path=value")
@@ -52,7 +58,7 @@ def load_config(recipe: str | None, overrides: list[str] | tuple[str, ...] = ())
         merged = {}
     if not isinstance(merged, dict):
         raise ConfigError(f"a recipe must be a mapping of sections, got {type(merged).__name__}")
-    return build_config(merged)
+    return {str(key): value for key, value in merged.items()}
 
 
 def _load_yaml(path: Path) -> Any:
@@ -99,30 +105,38 @@ def _yaml_error(exc: Exception, path: str | None) -> str:
 
 def build_config(data: dict[str, Any]) -> SluiceConfig:
     """Typed build of the whole schema from plain data; raises ConfigError/ValueError."""
-    all_keys = [key for key, _ in iter_fields(SluiceConfig)]
-    return _build(SluiceConfig, data, "", all_keys)
+    return build_section(SluiceConfig, data)
 
 
-def _build(cls: type, data: Any, prefix: str, all_keys: list[str]) -> Any:
+def build_section(cls: type[T], data: dict[str, Any],
+                  lists_keys: str = "python -m trainer.main --help") -> T:
+    """Typed build of any knob schema (the run's, or a tool's own such as the planner's
+    profile) from plain data; unknown keys name the closest one and `lists_keys`."""
+    all_keys = [key for key, _ in iter_fields(cls)]
+    return _build(cls, data, "", (all_keys, lists_keys))
+
+
+def _build(cls: type, data: Any, prefix: str, known_keys: tuple[list[str], str]) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping of keys, "
                           f"got {type(data).__name__} {data!r}")
     known = {f.name: f for f in fields(cls)}
     for name in data:
         if name not in known:
-            raise ConfigError(_unknown_key_message(prefix, name, list(known), all_keys))
+            raise ConfigError(_unknown_key_message(prefix, name, list(known), *known_keys))
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for name, value in data.items():
         key, hint = f"{prefix}{name}", hints[name]
         if is_dataclass(hint):
-            values[name] = _build(hint, value, key + ".", all_keys)
+            values[name] = _build(hint, value, key + ".", known_keys)
         else:
             values[name] = _coerce(key, hint, value)
     return cls(**values)
 
 
-def _unknown_key_message(prefix: str, name: str, siblings: list[str], all_keys: list[str]) -> str:
+def _unknown_key_message(prefix: str, name: str, siblings: list[str], all_keys: list[str],
+                         lists_keys: str) -> str:
     """Suggest, in order: a near sibling, the same leaf in another section, any near key."""
     key = prefix + name
     near = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
@@ -135,7 +149,7 @@ def _unknown_key_message(prefix: str, name: str, siblings: list[str], all_keys: 
         anywhere = difflib.get_close_matches(key, all_keys, n=1, cutoff=0.6)
         suggestion = anywhere[0] if anywhere else ""
     hint = f"; did you mean {suggestion!r}?" if suggestion else ""
-    return f"unknown config key {key!r}{hint} (python -m trainer.main --help lists every key)"
+    return f"unknown config key {key!r}{hint} ({lists_keys} lists every key)"
 
 
 def _type_name(hint: Any) -> str:

@@ -93,12 +93,12 @@ def resolve_model_path(path: str) -> Path:
 
 def resolve_model(cfg: SluiceConfig) -> str:
     """The policy folder: model.path, after the warm start that model.warm_start names."""
-    from envs.plugins import resolve_plugin
+    from trainer.run.warm_start import load_warm_start
 
     base = resolve_model_path(cfg.model.path)
     if cfg.model.warm_start is None:
         return str(base)
-    warm_start = resolve_plugin("warm start", cfg.model.warm_start)
+    warm_start = load_warm_start(cfg.model.warm_start)
     return str(warm_start(base, cfg))
 
 

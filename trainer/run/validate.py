@@ -4,8 +4,10 @@ is loaded and checked before anything starts, and every problem is listed at onc
     validate_run(cfg) -> ["agent.loop: ...", "envs.tasks: data/t.jsonl row 3, ...", ...]
 
 Checked: every plug-in (agent.loop, reward.fn, model.warm_start, envs.sandbox_backend,
-each envs.tools entry, and the agent_loop / reward_fn a task row names) is imported with
-the loaders the run itself uses and held against its Protocol, without being run; every
+train.backend, each envs.tools entry, and the agent_loop / reward_fn a task row names) is
+imported with the loaders the run itself uses and held against its Protocol by the
+contract check of its plug-in point (which lives with the point's package), without
+being run; every
 row of envs.tasks and eval.tasks is read; every tool a task names resolves to a built-in
 or an envs.tools entry; the model folder (and the judge's) has a config, weights and a
 tokenizer whose chat template renders. Nothing here writes to the run folder; the only
@@ -18,19 +20,23 @@ AutoTokenizer.
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
-from envs.plugins import BUILTINS, PluginKind, resolve_plugin
-from envs.tasks import read_tasks
-from envs.tools.base import check_tool_class
+from envs.sandbox.backends import load_sandbox_backend
+from envs.tasks import BUILTIN_SETS, read_tasks
+from envs.tools.base import TOOLS, load_tool_class
 from envs.types import Task
-from reward.base import load_reward_fn
-from rollout.agent_loop import load_agent_loop
+from rollout.agent_loop import check_agent_loop
+from rollout.reward_plugins import check_reward_fn
 from trainer.run.config import SluiceConfig
+from trainer.run.warm_start import load_warm_start
+from trainer.train.backends import load_train_backend
+
+PluginKind = Literal["agent loop", "reward fn", "tool", "sandbox backend", "warm start",
+                     "train backend"]
 
 MAX_ROW_PROBLEMS = 20  # per task source; a file with thousands of bad rows lists this many
 MAX_TASK_IDS = 3  # task ids named in one problem (then "and N more")
@@ -53,11 +59,15 @@ def validate_run(cfg: SluiceConfig) -> list[str]:
         problems += _plugin_problems("model.warm_start", "warm start", cfg.model.warm_start)
     problems += _plugin_problems("envs.sandbox_backend", "sandbox backend",
                                  cfg.envs.sandbox_backend)
-    tool_names = set(BUILTINS["tool"]) | set(cfg.envs.tools)
+    problems += _plugin_problems("train.backend", "train backend", cfg.train.backend)
+    tool_names = set(TOOLS.builtins) | set(cfg.envs.tools)
     for name, ref in cfg.envs.tools.items():
         problems += _plugin_problems(f"envs.tools.{name}", "tool", ref, name=name)
 
-    sources = [("envs.tasks", cfg.envs.tasks, cfg.envs.task_format)]
+    if not cfg.envs.tasks:
+        problems.append(f"envs.tasks: is required: a built-in set ({', '.join(BUILTIN_SETS)}), "
+                        "a task file (.jsonl, .parquet) or a datasets folder")
+    sources = [("envs.tasks", cfg.envs.tasks, cfg.envs.task_format)] if cfg.envs.tasks else []
     if cfg.eval.tasks is not None:
         sources.append(("eval.tasks", cfg.eval.tasks, "auto"))  # as the run reads it
     checked = {("agent loop", cfg.agent.loop), ("reward fn", cfg.reward.fn)}
@@ -87,84 +97,26 @@ def _plugin_problems(key: str, kind: PluginKind, value: str, *, name: str = "") 
 
 
 def check_plugin(kind: PluginKind, value: str, *, name: str = "") -> str | None:
-    """None if `value` resolves to an object that satisfies the Protocol of `kind`, else
-    what is wrong. Agent loops and reward fns are built (as the run builds them: no
-    arguments); tools, warm starts and sandbox backends are only inspected."""
+    """None if `value` resolves to an object that passes the contract check of the plug-in
+    point `kind`, else what is wrong. Agent loops and reward fns are built (as the run
+    builds them: no arguments); tools, warm starts and backends are only inspected."""
     try:
-        return _CHECKS[kind](value, name)
-    except ValueError as exc:  # the loaders' own messages say what to change
+        _CHECKS[kind](value, name)
+    except ValueError as exc:  # the contract checks' own messages say what to change
         return str(exc)
     except Exception as exc:  # the user's module raised while importing or building
         return f"{kind} {value!r} raised {_describe(exc)} while loading; fix that module"
-
-
-def _check_agent_loop(value: str, _: str) -> str | None:
-    cls = load_agent_loop(value)
-    problem = _signature_problem(cls.run, ("self", "task", "ctx"))
-    if problem:
-        return f"agent loop {value!r}: {cls.__name__}.run{problem}"
-    try:
-        cls()
-    except TypeError as exc:
-        return (f"agent loop {value!r}: {cls.__name__}() cannot be built without arguments "
-                f"({exc}); the worker builds it as {cls.__name__}(), so give its parameters "
-                "defaults")
     return None
 
 
-def _check_reward_fn(value: str, _: str) -> str | None:
-    fn = load_reward_fn(value)
-    problem = _signature_problem(fn.__call__, ("trajectory", "task", "ctx"))
-    return f"reward fn {value!r}: __call__{problem}" if problem else None
-
-
-def _check_tool(value: str, name: str) -> str | None:
-    cls = resolve_plugin("tool", value)
-    check_tool_class(name or value, cls)
-    problem = _signature_problem(cls, ("env",))
-    if problem:
-        return f"tool {name or value!r}: {getattr(cls, '__name__', cls)}{problem} (tools are built as cls(env))"
-    execute = getattr(cls, "execute", None)
-    if inspect.isclass(cls) and execute is not None:
-        problem = _signature_problem(execute, ("self", "arguments"))
-        if problem:
-            return f"tool {name or value!r}: {cls.__name__}.execute{problem}"
-    return None
-
-
-def _check_warm_start(value: str, _: str) -> str | None:
-    fn = resolve_plugin("warm start", value)
-    if not callable(fn):
-        return f"warm start {value!r} is not callable; name a function (base_model_dir, cfg) -> model_dir"
-    problem = _signature_problem(fn, ("base_model_dir", "cfg"))
-    return f"warm start {value!r}{problem}" if problem else None
-
-
-def _check_sandbox_backend(value: str, _: str) -> str | None:
-    cls = resolve_plugin("sandbox backend", value)
-    if not inspect.iscoroutinefunction(getattr(cls, "create", None)):
-        return (f"sandbox backend {value!r} needs `async def create(cls, spec)` "
-                "(envs.sandbox.base.Sandbox)")
-    return None
-
-
-_CHECKS: dict[str, Callable[[str, str], str | None]] = {
-    "agent loop": _check_agent_loop, "reward fn": _check_reward_fn, "tool": _check_tool,
-    "warm start": _check_warm_start, "sandbox backend": _check_sandbox_backend}
-
-
-def _signature_problem(func: Any, params: tuple[str, ...]) -> str | None:
-    """None when `func` accepts len(params) positional arguments, else a message suffix
-    such as "(self, task) must accept (self, task, ctx)"."""
-    try:
-        sig = inspect.signature(func)
-    except (TypeError, ValueError):  # builtins without a signature: nothing to check
-        return None
-    try:
-        sig.bind(*params)
-    except TypeError:
-        return f"{sig} must accept ({', '.join(params)})"
-    return None
+# Each plug-in point's contract check, from the package that owns the point.
+_CHECKS: dict[PluginKind, Callable[[str, str], object]] = {
+    "agent loop": lambda value, _: check_agent_loop(value),
+    "reward fn": lambda value, _: check_reward_fn(value),
+    "tool": lambda value, name: load_tool_class(name or value, value),
+    "warm start": lambda value, _: load_warm_start(value),
+    "sandbox backend": lambda value, _: load_sandbox_backend(value),
+    "train backend": lambda value, _: load_train_backend(value)}
 
 
 def _describe(exc: BaseException) -> str:
@@ -188,7 +140,7 @@ def _task_tool_problems(key: str, tasks: list[Task], tool_names: set[str]) -> li
             if tool not in tool_names:
                 unknown.setdefault(tool, []).append(task)
     return [f"{key}: task {_ids(named)} names tool {tool!r}, which is neither a built-in "
-            f"({', '.join(BUILTINS['tool'])}) nor in envs.tools; add "
+            f"({', '.join(TOOLS.builtins)}) nor in envs.tools; add "
             f"envs.tools.{tool}=package.module:Class to the recipe or fix the task's 'tools'"
             for tool, named in unknown.items()]
 

@@ -14,8 +14,9 @@ from envs.knobs import knob
 class TrainConfig:
     mode: Literal["async", "sync"] = knob("async", "async: rollout and training overlap; sync: "
                                           "generate a batch, train, push (baseline).")
-    backend: Literal["deepspeed", "torch"] = knob("deepspeed", "Training backend; torch is a "
-                                                  "single-process backend for tests.")
+    backend: str = knob("deepspeed", "Training backend: a built-in name (deepspeed; torch, a "
+                        "single-process backend for tests) or an import string "
+                        "'package.module:Class' of a TrainBackend (trainer.train.backends).")
     num_ranks: int = knob(1, "Training processes; one GPU each on cuda.")
     cpus_per_rank: float = knob(1.0, "Ray CPUs reserved per training rank.")
     zero_stage: int = knob(2, "DeepSpeed ZeRO stage (0-3).")

@@ -1,16 +1,19 @@
 """Training backends: plain classes that own the policy weights and optimizer, train one
 GRPO step over packed micro-batches, and hand out full weights for the push to engines.
 
-Built-ins are listed in BACKENDS (`train.backend` picks one) and imported only when built,
-so choosing `torch` never imports deepspeed.
+`train.backend` is a plug-in point: a built-in name of TRAIN_BACKENDS or an import string
+of a class meeting TrainBackend (`load_train_backend` checks it at start-up). Built-ins are
+imported only when resolved, so choosing `torch` never imports deepspeed.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from envs.plugins import PluginPoint, signature_problem
 
 if TYPE_CHECKING:
     import torch
@@ -20,10 +23,10 @@ if TYPE_CHECKING:
     from trainer.train.backends.step import StepResult
     from trainer.train.config import LossConfig, TrainConfig
 
-BACKENDS = {
+TRAIN_BACKENDS = PluginPoint("train backend", "train.backend", {
     "deepspeed": "trainer.train.backends.deepspeed_backend:DeepSpeedBackend",
-    "torch": "trainer.train.backends.torch_backend:TorchBackend",
-}
+    "torch": "trainer.train.backends.torch_backend:TorchBackend",  # single process, for tests
+})
 
 
 class TrainBackend(Protocol):
@@ -44,10 +47,25 @@ class TrainBackend(Protocol):
     def load_state(self, folder: str | Path) -> None: ...
 
 
+def load_train_backend(name: str) -> Callable[..., TrainBackend]:
+    """The backend class a built-in name or `package.module:Class` names, checked against
+    TrainBackend without building it (also the start-up check); ValueError says what to
+    change."""
+    cls = TRAIN_BACKENDS.resolve(name)
+    if not inspect.isclass(cls):
+        raise ValueError(f"train backend {name!r} is not a class; point train.backend at a "
+                         "class built as cls(train_config, model_path, **options)")
+    required = sorted(n for n in vars(TrainBackend) if not n.startswith("_"))
+    missing = [n for n in required if not hasattr(cls, n)]
+    if missing:
+        raise ValueError(f"train backend {name!r}: {cls.__name__} lacks {', '.join(missing)} "
+                         "(trainer.train.backends.TrainBackend)")
+    problem = signature_problem(cls, ("cfg", "model_path"))
+    if problem:
+        raise ValueError(f"train backend {name!r}: {cls.__name__}{problem}")
+    return cls  # type: ignore[return-value]  # checked just above
+
+
 def build_backend(cfg: TrainConfig, model_path: str | Path, **kwargs: Any) -> TrainBackend:
     """The backend named by `train.backend`, built on the model folder `model_path`."""
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"train.backend must be one of {sorted(BACKENDS)}, got {cfg.backend!r}")
-    module_name, cls_name = BACKENDS[cfg.backend].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(cfg, model_path, **kwargs)
+    return load_train_backend(cfg.backend)(cfg, model_path, **kwargs)
