@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from envs.types import Task, TerminationReason, Trajectory
+from rollout.gateway.refusals import DEFAULT_MAX_BODY_BYTES
 from rollout.gateway.server import Gateway, GatewayServer, GatewaySettings, GatewayStats
 from rollout.gateway.procs import GatewayProcesses, SessionHandle
 
@@ -95,6 +96,7 @@ class GatewayAgentLoop:
     model_name = "policy"
     harness_timeout_s = 600.0
     num_gateway_processes = 0  # 0: the gateway runs on the worker's event loop
+    max_body_bytes = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 413 (GatewaySettings)
 
     def __init__(self) -> None:
         self._host: _InProcessHost | GatewayProcesses | None = None
@@ -120,7 +122,7 @@ class GatewayAgentLoop:
             if self._host is None:
                 s = ctx.settings
                 settings = GatewaySettings(self.model_name, s.budgets, s.temperature, s.top_p, s.top_k,
-                                           s.max_tool_calls_per_turn)
+                                           s.max_tool_calls_per_turn, max_body_bytes=self.max_body_bytes)
                 if self.num_gateway_processes > 0:
                     host: _InProcessHost | GatewayProcesses = GatewayProcesses(
                         ctx.router, ctx.gate, ctx.chat, settings, self.num_gateway_processes)

@@ -4,8 +4,12 @@ dicts: no web framework here, so they are unit-tested without a server.
 
 A request becomes a `TurnRequest` (messages, OpenAI-style tool schemas, per-request
 options); a `TurnReply` (parsed content and tool calls of one generation) becomes the
-protocol's response body or its stream events. Anything the gateway cannot honour
-exactly is refused with a `ProtocolError` (the protocol's error shape), never ignored.
+protocol's response body or its stream events. Every field the gateway reads is
+type-checked against the protocol (400 naming the field and what it must be), and
+anything the gateway cannot honour exactly is refused with a `ProtocolError` (the
+protocol's error shape, rollout.gateway.refusals), never ignored. Fields without effect
+(seed, user, metadata, ...) are type-checked too; unknown fields are ignored, as
+harnesses send vendor extras.
 """
 
 from __future__ import annotations
@@ -18,28 +22,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from envs.types import Message, ToolCall
+from rollout.gateway.refusals import (DEFAULT_MAX_JSON_DEPTH, Protocol, ProtocolError, check_fields, checked_field,
+                                      invalid, load_json, require, unsupported, wrong_type)
 
-Protocol = Literal["openai", "anthropic"]
-# The protocol's name for each HTTP status the gateway returns.
-_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 409: "invalid_request_error", 500: "api_error"}
-_OPENAI_KINDS = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_denied",
-                 404: "not_found_error", 409: "invalid_request_error", 500: "server_error"}
+__all__ = ["Protocol", "ProtocolError", "TurnReply", "TurnRequest", "anthropic_response", "anthropic_stream",
+           "extension_suffix", "openai_response", "openai_stream", "parse_anthropic_request",
+           "parse_openai_request", "same_reply"]
 
-
-class ProtocolError(Exception):
-    """A request the gateway refuses; rendered in the caller's protocol's error shape."""
-
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
-    def body(self, protocol: Protocol) -> dict[str, Any]:
-        if protocol == "anthropic":
-            return {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(self.status, "api_error"),
-                                                "message": self.message}}
-        return {"error": {"message": self.message, "type": _OPENAI_KINDS.get(self.status, "server_error"),
-                          "param": None, "code": self.code}}
+MAX_STOP_SEQUENCES = 16  # each is encoded on the event loop (a stop must be one token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,52 +56,84 @@ class TurnReply:
     model: str
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ProtocolError(400, message)
+def _positive(body: Mapping[str, Any], key: str) -> int | None:
+    value = checked_field(body, key, key, "an integer")
+    require(value is None or value > 0, key, f"'{key}' must be a positive integer, got {value}")
+    return value
 
 
-def _number(body: Mapping[str, Any], key: str, kind: type) -> Any:
-    value = body.get(key)
+def _in_range(body: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
+    value = checked_field(body, key, key, "a number")
     if value is None:
         return None
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool)
-             and (kind is float or isinstance(value, int)), f"'{key}' must be a {kind.__name__}")
-    return kind(value)
+    require(low <= value <= high, key, f"'{key}' must be between {low:g} and {high:g}, got {value!r:.40}")
+    return float(value)
 
 
-def _stops(value: Any) -> tuple[str, ...]:
+def _stops(value: Any, param: str, *, one_string: bool) -> tuple[str, ...]:
+    """Stop strings: a list of strings (OpenAI also takes one string), at most
+    MAX_STOP_SEQUENCES of them."""
     if value is None:
         return ()
-    values = [value] if isinstance(value, str) else value
-    _require(isinstance(values, list) and all(isinstance(s, str) for s in values),
-             "'stop' must be a string or a list of strings")
-    return tuple(values)
+    if one_string and isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list):
+        raise wrong_type(param, "a string or an array of strings" if one_string else "an array of strings", value)
+    for k, text in enumerate(value):
+        if not isinstance(text, str):
+            raise wrong_type(f"{param}[{k}]", "a string", text)
+    require(len(value) <= MAX_STOP_SEQUENCES, param,
+            f"'{param}' holds {len(value)} stop sequences; at most {MAX_STOP_SEQUENCES} are accepted")
+    return tuple(value)
 
 
-def _openai_text(content: Any, where: str) -> str:
+def _nonempty_array(body: Mapping[str, Any], key: str) -> list[Any]:
+    value = checked_field(body, key, key, "an array", required=True)
+    require(bool(value), key, f"'{key}' must be a non-empty array")
+    return value
+
+
+def _object(value: Any, param: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise wrong_type(param, "an object", value)
+    return value
+
+
+# -- OpenAI chat completions ----------------------------------------------------------------
+_OPENAI_ROLES = ("system", "user", "assistant", "tool")
+# Accepted without effect (docs/gateway.md), so only their types are checked.
+_OPENAI_IGNORED = {"seed": "an integer", "user": "a string", "metadata": "an object", "service_tier": "a string",
+                   "parallel_tool_calls": "a boolean", "store": "a boolean", "prediction": "an object",
+                   "reasoning_effort": "a string"}
+
+
+def _openai_text(content: Any, param: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    _require(isinstance(content, list), f"{where}: content must be a string or a list of parts")
+    if not isinstance(content, list):
+        raise wrong_type(param, "a string or an array of content parts", content)
     texts = []
-    for part in content:
-        _require(isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str),
-                 f"{where}: only text content parts are supported (got {part!r:.60})")
-        texts.append(part["text"])
+    for k, part in enumerate(content):
+        where = f"{param}[{k}]"
+        kind = checked_field(_object(part, where), "type", f"{where}.type", "a string", required=True)
+        if kind != "text":
+            raise unsupported(f"{where}.type", f"{where}: only text content parts are supported, got "
+                                               f"{kind!r:.40} (images, audio and files are not)")
+        texts.append(checked_field(part, "text", f"{where}.text", "a string", required=True))
     return "".join(texts)
 
 
-def _arguments(raw: Any, where: str) -> dict[str, Any]:
+def _arguments(raw: Any, param: str, max_depth: int) -> dict[str, Any]:
+    """Tool-call arguments: a JSON object in a string (an object is taken too)."""
     if isinstance(raw, Mapping):
         return dict(raw)
-    try:
-        value = json.loads(raw) if isinstance(raw, str) else None
-    except json.JSONDecodeError:
-        value = None
-    _require(isinstance(value, dict), f"{where}: arguments must be a JSON object")
-    return value  # type: ignore[return-value]  # checked just above
+    if not isinstance(raw, str):
+        raise wrong_type(param, "a string holding a JSON object", raw)
+    value = load_json(raw.encode("utf-8"), max_depth, f"'{param}'")
+    require(isinstance(value, dict), param, f"'{param}' must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _refuse_sampling_changes(body: Mapping[str, Any]) -> None:
@@ -119,131 +141,278 @@ def _refuse_sampling_changes(body: Mapping[str, Any]) -> None:
     that the gateway cannot honour without leaving the recipe's sampling (the trainer's
     behaviour policy) or cutting sampled ids: refused, never silently dropped."""
     fmt = body.get("response_format")
-    _require(fmt in (None, "text") or (isinstance(fmt, Mapping) and fmt.get("type") == "text"),
-             f"response_format {fmt!r:.80} is not supported: structured output needs constrained decoding")
-    _require(not body.get("logit_bias"), "logit_bias is not supported: it changes the sampled distribution")
+    if fmt is not None and fmt != "text":
+        kind = checked_field(_object(fmt, "response_format"), "type", "response_format.type", "a string",
+                             required=True)
+        if kind != "text":
+            raise unsupported("response_format", f"response_format {kind!r:.40} is not supported: structured "
+                                                 "output needs constrained decoding")
+    if checked_field(body, "logit_bias", "logit_bias", "an object"):
+        raise unsupported("logit_bias", "logit_bias is not supported: it changes the sampled distribution")
     for name in ("presence_penalty", "frequency_penalty"):
-        _require(not body.get(name), f"{name} is not supported: it changes the sampled distribution")
-    _require(not body.get("logprobs") and not body.get("top_logprobs"),
-             "logprobs are not returned by the gateway (the trainer records them)")
+        if checked_field(body, name, name, "a number"):
+            raise unsupported(name, f"{name} is not supported: it changes the sampled distribution")
+    if checked_field(body, "logprobs", "logprobs", "a boolean") or \
+            checked_field(body, "top_logprobs", "top_logprobs", "an integer"):
+        raise unsupported("logprobs", "logprobs are not returned by the gateway (the trainer records them)")
 
 
-def parse_openai_request(body: Any) -> TurnRequest:
-    """An OpenAI chat-completions body -> TurnRequest; ProtocolError(400) names the field."""
-    _require(isinstance(body, Mapping), "the request body must be a JSON object")
-    raw = body.get("messages")
-    _require(isinstance(raw, list) and bool(raw), "'messages' must be a non-empty list")
-    _require(body.get("n", 1) == 1, "only n=1 is supported")
-    _refuse_sampling_changes(body)
+def _refuse_openai_features(body: Mapping[str, Any]) -> None:
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise unsupported(name, f"'{name}' (the deprecated function calling) is not supported: send "
+                                    "'tools' and 'tool_choice'")
+    modalities = checked_field(body, "modalities", "modalities", "an array")
+    if body.get("audio") is not None or (modalities is not None and modalities != ["text"]):
+        raise unsupported("modalities", "only text output is supported (no audio)")
+    if body.get("web_search_options") is not None:
+        raise unsupported("web_search_options", "web search is not supported through the gateway")
+
+
+def _openai_tool_calls(m: Mapping[str, Any], where: str, names: dict[str, str],
+                       max_depth: int) -> tuple[ToolCall, ...]:
+    calls = []
+    for j, c in enumerate(checked_field(m, "tool_calls", f"{where}.tool_calls", "an array") or ()):
+        path = f"{where}.tool_calls[{j}]"
+        kind = checked_field(_object(c, path), "type", f"{path}.type", "a string")
+        if kind not in (None, "function"):
+            raise unsupported(f"{path}.type", f"only function tool calls are supported, got {kind!r:.40}")
+        call_id = checked_field(c, "id", f"{path}.id", "a string")
+        fn = checked_field(c, "function", f"{path}.function", "an object", required=True)
+        name = checked_field(fn, "name", f"{path}.function.name", "a string", required=True)
+        calls.append(ToolCall(name, _arguments(fn.get("arguments", "{}"), f"{path}.function.arguments", max_depth)))
+        if call_id is not None:
+            names[call_id] = name
+    return tuple(calls)
+
+
+def _openai_messages(raw: list[Any], max_depth: int) -> list[Message]:
     messages: list[Message] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for the tool messages
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
-        _require(isinstance(m, Mapping), f"{where} must be an object")
-        role = m.get("role")
+        role = checked_field(_object(m, where), "role", f"{where}.role", "a string", required=True)
         role = "system" if role == "developer" else role
-        _require(role in ("system", "user", "assistant", "tool"), f"{where}: unknown role {role!r}")
-        text = _openai_text(m.get("content"), where)
+        if role == "function":
+            raise unsupported(f"{where}.role", "role 'function' (the deprecated function calling) is not "
+                                               "supported: send tool messages")
+        require(role in _OPENAI_ROLES, f"{where}.role",
+                f"{where}: unknown role {role!r:.40} (system, developer, user, assistant or tool)")
+        name = checked_field(m, "name", f"{where}.name", "a string")
+        text = _openai_text(m.get("content"), f"{where}.content")
         if role == "assistant":
-            calls = []
-            for j, c in enumerate(m.get("tool_calls") or ()):
-                fn = c.get("function") if isinstance(c, Mapping) else None
-                _require(isinstance(fn, Mapping) and isinstance(fn.get("name"), str),
-                         f"{where}.tool_calls[{j}] must have function.name")
-                calls.append(ToolCall(fn["name"], _arguments(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]")))
-                if isinstance(c.get("id"), str):
-                    names[c["id"]] = fn["name"]
-            reasoning = m.get("reasoning_content")
-            messages.append(Message("assistant", text, tuple(calls),
-                                    reasoning=reasoning if isinstance(reasoning, str) else None))
-        elif role == "tool":
-            messages.append(Message("tool", text, name=names.get(m.get("tool_call_id", "")) or m.get("name")))
+            calls = _openai_tool_calls(m, where, names, max_depth)
+            checked_field(m, "refusal", f"{where}.refusal", "a string")
+            reasoning = checked_field(m, "reasoning_content", f"{where}.reasoning_content", "a string")
+            messages.append(Message("assistant", text, calls, reasoning=reasoning))
+            continue
+        require(m.get("tool_calls") is None, f"{where}.tool_calls", f"{where}: only assistant messages carry tool_calls")
+        if role == "tool":
+            call_id = checked_field(m, "tool_call_id", f"{where}.tool_call_id", "a string")
+            messages.append(Message("tool", text, name=names.get(call_id or "") or name))
         else:
             messages.append(Message(role, text))
+    return messages
+
+
+def _openai_tools(raw: list[Any]) -> list[dict[str, Any]]:
     tools = []
-    for i, t in enumerate(body.get("tools") or ()):
-        _require(isinstance(t, Mapping) and t.get("type") == "function" and isinstance(t.get("function"), Mapping)
-                 and isinstance(t["function"].get("name"), str), f"tools[{i}] must be a function tool with a name")
-        tools.append({"type": "function", "function": dict(t["function"])})
-    choice = body.get("tool_choice", "auto")
-    _require(choice in ("auto", "none", None),
-             f"tool_choice {choice!r} is not supported (only 'auto' and 'none'): forcing a call would "
-             "need constrained decoding, which would change the sampled distribution")
-    max_tokens = _number(body, "max_completion_tokens", int) or _number(body, "max_tokens", int)
-    _require(max_tokens is None or max_tokens > 0, "'max_tokens' must be positive")
-    options = body.get("stream_options") or {}
-    return TurnRequest(tuple(messages), tuple(tools), max_tokens, _number(body, "temperature", float),
-                       _number(body, "top_p", float), _stops(body.get("stop")), choice != "none",
-                       bool(body.get("stream", False)),
-                       bool(isinstance(options, Mapping) and options.get("include_usage")))
+    for i, t in enumerate(raw):
+        path = f"tools[{i}]"
+        kind = checked_field(_object(t, path), "type", f"{path}.type", "a string", required=True)
+        if kind != "function":
+            raise unsupported(f"{path}.type", f"only function tools are supported, got {kind!r:.40}")
+        fn = checked_field(t, "function", f"{path}.function", "an object", required=True)
+        name = checked_field(fn, "name", f"{path}.function.name", "a string", required=True)
+        require(bool(name), f"{path}.function.name", f"'{path}.function.name' must not be empty")
+        check_fields(fn, {"description": "a string", "parameters": "an object", "strict": "a boolean"},
+                     f"{path}.function.")
+        tools.append({"type": "function", "function": dict(fn)})
+    return tools
 
 
-def _anthropic_blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
+def _openai_tool_choice(choice: Any) -> bool:
+    """Whether tool calls are parsed: 'auto' (the default) or 'none'."""
+    if choice is None or choice == "auto":
+        return True
+    if choice == "none":
+        return False
+    if choice == "required" or isinstance(choice, Mapping):
+        raise unsupported("tool_choice", f"tool_choice {choice!r:.80} is not supported (only 'auto' and 'none'): "
+                                         "forcing a call would need constrained decoding, which would change "
+                                         "the sampled distribution")
+    raise wrong_type("tool_choice", "'auto', 'none', 'required' or an object", choice)
+
+
+def parse_openai_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> TurnRequest:
+    """An OpenAI chat-completions body (decoded JSON) -> TurnRequest; ProtocolError(400)
+    names the field and what it must be. `max_json_depth` bounds tool-call arguments."""
+    require(isinstance(body, Mapping), "", "the request body must be a JSON object")
+    checked_field(body, "model", "model", "a string")
+    raw = _nonempty_array(body, "messages")
+    n = checked_field(body, "n", "n", "an integer")
+    if n not in (None, 1):
+        raise unsupported("n", "only n=1 is supported (a GRPO group is G sessions, not n choices)")
+    check_fields(body, _OPENAI_IGNORED)
+    _refuse_sampling_changes(body)
+    _refuse_openai_features(body)
+    messages = _openai_messages(raw, max_json_depth)
+    tools = _openai_tools(checked_field(body, "tools", "tools", "an array") or [])
+    parse_tools = _openai_tool_choice(body.get("tool_choice"))
+    max_completion_tokens, max_tokens = _positive(body, "max_completion_tokens"), _positive(body, "max_tokens")
+    options = checked_field(body, "stream_options", "stream_options", "an object") or {}
+    stream = checked_field(body, "stream", "stream", "a boolean")
+    include_usage = checked_field(options, "include_usage", "stream_options.include_usage", "a boolean")
+    return TurnRequest(tuple(messages), tuple(tools), max_completion_tokens or max_tokens,
+                       _in_range(body, "temperature", 0.0, 2.0), _in_range(body, "top_p", 0.0, 1.0),
+                       _stops(body.get("stop"), "stop", one_string=True), parse_tools, bool(stream),
+                       bool(include_usage))
+
+
+# -- Anthropic messages -----------------------------------------------------------------------
+# The content blocks each place takes; other known blocks are misplaced (invalid), unknown
+# ones (image, document, server tool results, ...) unsupported.
+_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+           "system": ("text",), "tool_result": ("text",)}
+_KNOWN_BLOCKS = {kind for kinds in _BLOCKS.values() for kind in kinds}
+_BLOCK_FIELDS = {"text": {"text": "a string"}, "tool_use": {"id": "a string", "name": "a string"},
+                 "tool_result": {"tool_use_id": "a string"}, "thinking": {"thinking": "a string"},
+                 "redacted_thinking": {"data": "a string"}}
+_ANTHROPIC_IGNORED = {"metadata": "an object", "service_tier": "a string"}
+
+
+def _anthropic_blocks(content: Any, param: str, place: str) -> list[Mapping[str, Any]]:
+    """The content blocks (a string is one text block), each checked for `place`."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    _require(isinstance(content, list), f"{where}: content must be a string or a list of blocks")
-    for block in content:
-        _require(isinstance(block, Mapping) and block.get("type") in ("text", "tool_use", "tool_result", "thinking"),
-                 f"{where}: unsupported content block {block!r:.60} (text, tool_use, tool_result only)")
+    if not isinstance(content, list):
+        raise wrong_type(param, "a string or an array of content blocks", content)
+    for k, block in enumerate(content):
+        where = f"{param}.{k}"
+        kind = checked_field(_object(block, where), "type", f"{where}.type", "a string", required=True)
+        if kind not in _KNOWN_BLOCKS:
+            raise unsupported(f"{where}.type", f"unsupported content block {kind!r:.40} (text, tool_use, "
+                                               "tool_result and thinking only)")
+        require(kind in _BLOCKS[place], f"{where}.type", f"a {kind} block is not allowed in {place} content")
+        for key, expected in _BLOCK_FIELDS[kind].items():
+            checked_field(block, key, f"{where}.{key}", expected, required=True)
+        checked_field(block, "cache_control", f"{where}.cache_control", "an object")
+        if kind == "tool_use":
+            checked_field(block, "input", f"{where}.input", "an object")
+        elif kind == "tool_result":
+            checked_field(block, "is_error", f"{where}.is_error", "a boolean")
     return content
 
 
-def _tool_result_text(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(b.get("text", "") for b in _anthropic_blocks(content, where) if b.get("type") == "text")
+def _tool_result_text(block: Mapping[str, Any], param: str) -> str:
+    content = block.get("content")
+    if content is None:
+        return ""
+    return "".join(b["text"] for b in _anthropic_blocks(content, f"{param}.content", "tool_result"))
 
 
-def parse_anthropic_request(body: Any) -> TurnRequest:
-    """An Anthropic messages body -> TurnRequest. A user turn holding tool_result blocks
-    becomes tool messages (in order), then a user message for any text beside them."""
-    _require(isinstance(body, Mapping), "the request body must be a JSON object")
-    raw = body.get("messages")
-    _require(isinstance(raw, list) and bool(raw), "messages: must be a non-empty list")
-    max_tokens = _number(body, "max_tokens", int)
-    _require(max_tokens is not None and max_tokens > 0, "max_tokens: field required (a positive integer)")
+def _anthropic_messages(raw: list[Any]) -> list[Message]:
+    """A user turn holding tool_result blocks becomes tool messages (in order), then a
+    user message for any text beside them."""
     messages: list[Message] = []
-    system = body.get("system")
-    if system:
-        messages.append(Message("system", system if isinstance(system, str) else
-                                "".join(b.get("text", "") for b in _anthropic_blocks(system, "system"))))
     names: dict[str, str] = {}
     for i, m in enumerate(raw):
         where = f"messages.{i}"
-        _require(isinstance(m, Mapping) and m.get("role") in ("user", "assistant"),
-                 f"{where}: role must be 'user' or 'assistant'")
-        blocks = _anthropic_blocks(m.get("content"), where)
+        role = checked_field(_object(m, where), "role", f"{where}.role", "a string", required=True)
+        require(role in ("user", "assistant"), f"{where}.role",
+                f"{where}: role must be 'user' or 'assistant', got {role!r:.40}")
+        blocks = _anthropic_blocks(m.get("content"), f"{where}.content", role)
         text = "".join(b["text"] for b in blocks if b["type"] == "text")
-        if m["role"] == "assistant":
+        if role == "assistant":
             calls = []
             for b in blocks:
                 if b["type"] == "tool_use":
-                    _require(isinstance(b.get("name"), str) and isinstance(b.get("input", {}), Mapping),
-                             f"{where}: tool_use needs a name and an object input")
                     calls.append(ToolCall(b["name"], dict(b.get("input") or {})))
-                    names[str(b.get("id"))] = b["name"]
+                    names[b["id"]] = b["name"]
             messages.append(Message("assistant", text, tuple(calls)))
             continue
-        results = [b for b in blocks if b["type"] == "tool_result"]
-        for b in results:
-            messages.append(Message("tool", _tool_result_text(b.get("content"), where),
-                                    name=names.get(str(b.get("tool_use_id")))))
+        results = [(k, b) for k, b in enumerate(blocks) if b["type"] == "tool_result"]
+        for k, b in results:
+            messages.append(Message("tool", _tool_result_text(b, f"{where}.content.{k}"),
+                                    name=names.get(b["tool_use_id"])))
         if text or not results:
             messages.append(Message("user", text))
+    if raw[-1]["role"] == "assistant":
+        raise unsupported(f"messages.{len(raw) - 1}", "a final assistant message (a prefill to continue) is not "
+                                                      "supported: the gateway samples a new assistant turn")
+    return messages
+
+
+def _anthropic_system(system: Any) -> list[Message]:
+    if system is None:
+        return []
+    text = "".join(b["text"] for b in _anthropic_blocks(system, "system", "system"))
+    return [Message("system", text)] if text else []
+
+
+def _anthropic_tools(raw: list[Any]) -> list[dict[str, Any]]:
     tools = []
-    for i, t in enumerate(body.get("tools") or ()):
-        _require(isinstance(t, Mapping) and isinstance(t.get("name"), str),
-                 f"tools.{i}: a custom tool with a name and an input_schema is required")
-        tools.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                         "parameters": t.get("input_schema") or {"type": "object"}}})
-    choice = body.get("tool_choice") or {"type": "auto"}
-    kind = choice.get("type") if isinstance(choice, Mapping) else None
-    _require(kind in ("auto", "none"), f"tool_choice {choice!r} is not supported (only auto and none)")
-    _require(not body.get("thinking") or body["thinking"].get("type") == "disabled",
-             "extended thinking is not supported through the gateway")
-    return TurnRequest(tuple(messages), tuple(tools), max_tokens, _number(body, "temperature", float),
-                       _number(body, "top_p", float), _stops(body.get("stop_sequences")), kind != "none",
-                       bool(body.get("stream", False)))
+    for i, t in enumerate(raw):
+        path = f"tools.{i}"
+        kind = checked_field(_object(t, path), "type", f"{path}.type", "a string")
+        if kind not in (None, "custom"):
+            raise unsupported(f"{path}.type", f"server tool {kind!r:.40} is not supported: only custom tools "
+                                              "(name, description, input_schema)")
+        name = checked_field(t, "name", f"{path}.name", "a string", required=True)
+        require(bool(name), f"{path}.name", f"'{path}.name' must not be empty")
+        description = checked_field(t, "description", f"{path}.description", "a string") or ""
+        schema = checked_field(t, "input_schema", f"{path}.input_schema", "an object") or {"type": "object"}
+        checked_field(t, "cache_control", f"{path}.cache_control", "an object")
+        tools.append({"type": "function", "function": {"name": name, "description": description,
+                                                         "parameters": dict(schema)}})
+    return tools
+
+
+def _anthropic_tool_choice(choice: Any) -> bool:
+    """Whether tool calls are parsed: auto (the default) or none."""
+    if choice is None:
+        return True
+    kind = checked_field(_object(choice, "tool_choice"), "type", "tool_choice.type", "a string", required=True)
+    checked_field(choice, "disable_parallel_tool_use", "tool_choice.disable_parallel_tool_use", "a boolean")
+    if kind in ("any", "tool"):
+        raise unsupported("tool_choice", f"tool_choice {kind!r} is not supported (only auto and none): forcing "
+                                         "a call would need constrained decoding")
+    require(kind in ("auto", "none"), "tool_choice.type",
+            f"'tool_choice.type' must be auto, any, tool or none, got {kind!r:.40}")
+    return kind == "auto"
+
+
+def _refuse_anthropic_features(body: Mapping[str, Any]) -> None:
+    thinking = checked_field(body, "thinking", "thinking", "an object")
+    if thinking is not None and checked_field(thinking, "type", "thinking.type", "a string",
+                                              required=True) != "disabled":
+        raise unsupported("thinking", "extended thinking is not supported through the gateway")
+    for name in ("mcp_servers", "container"):
+        if body.get(name):
+            raise unsupported(name, f"'{name}' is not supported through the gateway")
+
+
+def parse_anthropic_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> TurnRequest:
+    """An Anthropic messages body (decoded JSON) -> TurnRequest; ProtocolError(400) names
+    the field and what it must be. (`max_json_depth`: tool inputs arrive decoded; kept for
+    the same signature as parse_openai_request.)"""
+    require(isinstance(body, Mapping), "", "the request body must be a JSON object")
+    checked_field(body, "model", "model", "a string")
+    raw = _nonempty_array(body, "messages")
+    max_tokens = checked_field(body, "max_tokens", "max_tokens", "an integer", required=True)
+    require(max_tokens > 0, "max_tokens", f"'max_tokens' must be a positive integer, got {max_tokens}")
+    check_fields(body, _ANTHROPIC_IGNORED)
+    _refuse_anthropic_features(body)
+    messages = _anthropic_system(body.get("system")) + _anthropic_messages(raw)
+    tools = _anthropic_tools(checked_field(body, "tools", "tools", "an array") or [])
+    parse_tools = _anthropic_tool_choice(body.get("tool_choice"))
+    top_k = checked_field(body, "top_k", "top_k", "an integer")
+    require(top_k is None or top_k >= 0, "top_k", f"'top_k' must be a non-negative integer, got {top_k}")
+    stream = checked_field(body, "stream", "stream", "a boolean")
+    return TurnRequest(tuple(messages), tuple(tools), max_tokens, _in_range(body, "temperature", 0.0, 1.0),
+                       _in_range(body, "top_p", 0.0, 1.0),
+                       _stops(body.get("stop_sequences"), "stop_sequences", one_string=False), parse_tools,
+                       bool(stream))
 
 
 def _call_id(prefix: str) -> str:

@@ -17,6 +17,15 @@ from a fresh render; each segment is an exact trajectory. `stats()` counts sessi
 segments, prefix breaks and re-encoded tokens (the prompt tokens of segments after a
 session's first: 0 on the exact path).
 
+Bad input is refused cheaply, with the protocol's 4xx, and never stalls other sessions:
+the body is capped before it is read (413, `GatewaySettings.max_body_bytes`), decoded with
+a nesting-depth guard and no lone surrogates (rollout.gateway.refusals), every field
+type-checked (rollout.gateway.protocol); text that cannot fit the session's remaining
+token budget is refused from its length in characters before it is rendered (no token
+covers more characters than the longest vocabulary entry); decoding, rendering and
+tokenizing run on threads, big work on a lane of its own, so the event loop keeps
+serving every other session. Every refusal is counted (`gateway/errors/<reason>`).
+
 Each session has its own bearer token (OpenAI `Authorization: Bearer`, Anthropic
 `x-api-key`); a sandboxed harness holding one cannot write into another session.
 Requests of one session are served one at a time. Generations go through a TurnService:
@@ -30,27 +39,40 @@ app is built.
 # (`request: Request`, imported inside build_app) as objects, not as strings it would
 # have to resolve in this module's globals.
 import asyncio
-import json
+import functools
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from envs.types import Message, TerminationReason, Trajectory
 from rollout.chat import ContinuityBuilder, encode
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
-from rollout.gateway.protocol import (ProtocolError, TurnReply, TurnRequest, anthropic_response,
-                                      anthropic_stream, extension_suffix, openai_response, openai_stream,
-                                      parse_anthropic_request, parse_openai_request)
+from rollout.gateway.protocol import (TurnReply, TurnRequest, anthropic_response, anthropic_stream,
+                                      extension_suffix, openai_response, openai_stream, parse_anthropic_request,
+                                      parse_openai_request)
+from rollout.gateway.refusals import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH, ErrorReason, ProtocolError,
+                                      load_json, too_large)
+from rollout.gateway.refusals import Protocol as WireProtocol
 from rollout.parsers import parse_generation
 from rollout.recorder import Budgets, TrajectoryRecorder
 from rollout.router import Router
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Decoding, rendering and tokenizing run on these threads, not the event loop. Work on more
+# than LARGE_WORK_CHARS characters (bytes of a body) goes to a lane of its own: big
+# requests queue behind each other, never in front of the small ones of other sessions.
+LARGE_WORK_CHARS = 1 << 20
+NUM_SMALL_WORK_THREADS = 4
+NUM_LARGE_WORK_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +86,18 @@ class GatewaySettings:
     # The trainer assumes the recipe's sampling; a harness's own temperature/top_p would
     # make behaviour logprobs come from another distribution. Off: the recipe's values win.
     trust_request_sampling: bool = False
+    # Larger request bodies are refused (413) before they are read. 4 MiB holds a
+    # 200k-token conversation with its tool schemas several times over.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Deeper JSON (arrays and objects, in the body or in tool-call arguments) is refused
+    # (400) before it is decoded; real tool schemas nest about 10 deep.
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024 or self.max_json_depth < 8:
+            raise ValueError(f"GatewaySettings: max_body_bytes must be >= 1024 and max_json_depth >= 8, got "
+                             f"{self.max_body_bytes} and {self.max_json_depth}; the defaults are "
+                             f"{DEFAULT_MAX_BODY_BYTES} and {DEFAULT_MAX_JSON_DEPTH}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +107,14 @@ class GatewayStats:
     num_segments: int  # cumulative, open segments included
     num_prefix_breaks: int  # requests that did not extend their session's previous one
     num_reencoded_tokens: int  # prompt tokens of segments after a session's first
-    num_requests: int
-    num_errors: int  # requests refused with a protocol error
+    num_requests: int  # requests received (chat completions, messages, model lists), refused ones too
+    num_errors: int  # requests answered with an error status: every refusal (4xx) and 500
+    # ErrorReason value -> requests; sums to num_errors.
+    errors_by_reason: Mapping[str, int] = field(default_factory=dict)
 
     def as_metrics(self) -> dict[str, float]:
-        """gateway/* keys (totals since the gateway started; docs/metrics.md)."""
+        """gateway/* keys (totals since the gateway started; docs/metrics.md); a reason's
+        gateway/errors/<reason> once it has happened."""
         return {"gateway/sessions": float(self.num_sessions),
                 "gateway/open_sessions": float(self.num_open_sessions),
                 "gateway/segments": float(self.num_segments),
@@ -85,12 +122,18 @@ class GatewayStats:
                 "gateway/prefix_breaks": float(self.num_prefix_breaks),
                 "gateway/reencoded_tokens": float(self.num_reencoded_tokens),
                 "gateway/requests": float(self.num_requests),
-                "gateway/errors": float(self.num_errors)}
+                "gateway/errors": float(self.num_errors),
+                **{f"gateway/errors/{reason}": float(n) for reason, n in sorted(self.errors_by_reason.items()) if n}}
 
 
 def sum_gateway_stats(stats: Sequence[GatewayStats]) -> GatewayStats:
     """The counters of several gateways (workers, processes) added up."""
-    return GatewayStats(*(sum(getattr(s, f.name) for s in stats) for f in fields(GatewayStats)))
+    by_reason: Counter[str] = Counter()
+    for s in stats:
+        by_reason.update(s.errors_by_reason)
+    totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(GatewayStats)
+              if f.name != "errors_by_reason"}
+    return GatewayStats(**totals, errors_by_reason=dict(by_reason))
 
 
 @dataclass(slots=True)
@@ -140,7 +183,14 @@ class Gateway:
         self._sessions: dict[str, GatewaySession] = {}
         self._by_token: dict[str, str] = {}
         self._num_sessions = self._num_segments = self._num_breaks = 0
-        self._num_reencoded = self._num_requests = self._num_errors = 0
+        self._num_reencoded = self._num_requests = 0
+        self._errors: Counter[ErrorReason] = Counter()
+        # No token of this model decodes to more characters than its longest vocabulary
+        # entry (byte-level BPE: one character per byte; sentencepiece: one per character),
+        # so text of C characters is at least C / this many tokens, whatever the template.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        self._small_work = ThreadPoolExecutor(NUM_SMALL_WORK_THREADS, "sluice-gateway")
+        self._large_work = ThreadPoolExecutor(NUM_LARGE_WORK_THREADS, "sluice-gateway-large")
 
     # -- sessions ----------------------------------------------------------------------
     def open_session(self, task_id: str, group_id: str, index: int, *,
@@ -176,28 +226,82 @@ class Gateway:
             raise ProtocolError(403, "this API key belongs to another session")
         session = self._sessions.get(session_id)
         if session is None:
-            raise ProtocolError(404, f"session {session_id} is not open")
+            raise ProtocolError(404, f"session {session_id:.64} is not open")
         return session
 
-    def known_token(self, token: str | None) -> bool:
-        return (token or "") in self._by_token
+    async def list_models(self, session_id: str | None, token: str | None) -> dict[str, Any]:
+        """The OpenAI model list, for any open session's token (or `session_id`'s own)."""
+        async def listed() -> dict[str, Any]:
+            if session_id is not None:
+                self.authorize(session_id, token)
+            elif (token or "") not in self._by_token:
+                raise ProtocolError(401, "missing or invalid API key")
+            return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model", "created": 0,
+                                                 "owned_by": "sluice"}]}
+        return await self._counted(listed())
 
-    # -- one turn ------------------------------------------------------------------------
+    # -- one request -------------------------------------------------------------------
+    async def handle(self, protocol: WireProtocol, session_id: str, token: str | None, declared_length: str | None,
+                     chunks: AsyncIterator[bytes]) -> tuple[TurnRequest, TurnReply]:
+        """One HTTP request end to end: authorize, read the body (capped), decode and
+        validate it on a thread, complete the turn. Counted like `complete`."""
+        async def handled() -> tuple[TurnRequest, TurnReply]:
+            session = self.authorize(session_id, token)
+            body = await self.read_body(declared_length, chunks)
+            turn = await self._offload(len(body), self._parse, protocol, body)
+            return turn, await self._complete_locked(session, turn)
+        return await self._counted(handled())
+
+    async def read_body(self, declared_length: str | None, chunks: AsyncIterator[bytes]) -> bytes:
+        """The body, refused (413) as soon as it is known to be over max_body_bytes: from
+        its Content-Length before any byte is read, or while a chunked one arrives."""
+        limit = self.settings.max_body_bytes
+        if declared_length is not None and declared_length.isdigit():  # uvicorn checked the header's form
+            size = int(declared_length) if len(declared_length) <= 18 else None  # None: absurdly long
+            if size is None or size > limit:
+                raise too_large(limit, size)
+        parts, size = [], 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit, None)
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _parse(self, protocol: WireProtocol, body: bytes) -> TurnRequest:
+        """A body -> TurnRequest (on a worker thread: pure, no session state)."""
+        depth = self.settings.max_json_depth
+        parse = parse_openai_request if protocol == "openai" else parse_anthropic_request
+        return parse(load_json(body, depth), depth)
+
     async def complete(self, session: GatewaySession, request: TurnRequest) -> TurnReply:
-        """Record the request's new ids, generate one turn, parse it; errors are counted."""
+        """Record the request's new ids, generate one turn, parse it; counted (requests,
+        errors by reason)."""
+        return await self._counted(self._complete_locked(session, request))
+
+    async def _counted(self, work: Awaitable[T]) -> T:
+        """Every request counts once; every failure once, by its reason. A refusal stays the
+        ProtocolError it is; anything else is the engine (or this gateway) failing, not
+        the client: the protocol's 500."""
         self._num_requests += 1
         try:
-            async with session.lock:
-                return await self._complete(session, request)
-        except ProtocolError:
-            self._num_errors += 1
+            return await work
+        except ProtocolError as exc:
+            self._errors[exc.reason] += 1
             raise
+        except Exception as exc:  # an engine failure (or a gateway bug): a counted 500, never a crash
+            self._errors[ErrorReason.SERVER] += 1
+            log.warning("gateway request failed: %s: %s", type(exc).__name__, exc)
+            raise ProtocolError(500, f"generation failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _complete_locked(self, session: GatewaySession, request: TurnRequest) -> TurnReply:
+        async with session.lock:
+            return await self._complete(session, request)
 
     async def _complete(self, session: GatewaySession, request: TurnRequest) -> TurnReply:
-        if session.id not in self._sessions:
-            raise ProtocolError(404, f"session {session.id} was closed")
+        self._check_open(session)
         extra_stops = self._stop_ids_of(request.stop)  # refused before anything is recorded
-        rec = self._place_request(session, request)
+        rec = await self._place_request(session, request)
         try:
             out = await self._generate(session, rec, request, extra_stops)
         except BaseException:
@@ -224,32 +328,44 @@ class Gateway:
         return TurnReply(content, reasoning, tuple(calls), finish, prompt_len, len(out.token_ids),
                          self.settings.model_name)
 
+    def _check_open(self, session: GatewaySession) -> None:
+        """Between awaits the worker may close the session (its trajectory timed out)."""
+        if session.id not in self._sessions:
+            raise ProtocolError(404, f"session {session.id} was closed")
+
     @property
     def _stop_ids(self) -> tuple[int, ...]:
         return tuple(getattr(self.chat, "stop_token_ids", None) or (self.chat.end_of_turn_id,))
 
-    def _place_request(self, session: GatewaySession, request: TurnRequest) -> TrajectoryRecorder:
-        """Append the request's new messages to the open segment, or start a new one."""
+    async def _place_request(self, session: GatewaySession, request: TurnRequest) -> TrajectoryRecorder:
+        """Append the request's new messages to the open segment, or start a new one. The
+        text is measured before it is rendered, and rendered on a thread."""
         rec = session.recorder
         suffix = None
         if rec is not None and session.reply is not None:
             suffix = extension_suffix(session.previous, session.reply, session.previous_tools,
                                       request.messages, request.tools)
         if rec is not None and suffix is not None:
-            ids = self._suffix_ids(suffix, session.ended_with_stop)
+            b = rec.budgets
+            self._check_fits(suffix, min(b.max_context_tokens - len(rec.context_ids),
+                                         b.max_response_tokens - rec.num_response_tokens))
+            ids = await self._offload(_num_chars(suffix), self._suffix_ids, suffix, session.ended_with_stop)
+            self._check_open(session)
             if ids is not None:
                 if (stop := rec.fits_observation(len(ids))) is not None:
                     raise ProtocolError(400, f"the conversation no longer fits the model's budget ({stop.value})",
-                                        "context_length_exceeded")
+                                        "context_length_exceeded", reason=ErrorReason.CONTEXT)
                 rec.add_observation(ids, sum(m.role == "tool" for m in suffix), 0,
                                     time.monotonic() - session.replied_at)
                 return rec
-        tools = list(request.tools) or None
+        self._check_fits(request.messages, self.settings.budgets.max_context_tokens)
+        first = rec is None and not session.segments
         try:
-            prompt = (self.chat.initial_prompt_ids(request.messages, tools) if rec is None and not session.segments
-                      else self.chat.reset_context(request.messages, tools))
+            prompt = await self._offload(_num_chars(request.messages), self._render, request.messages,
+                                         list(request.tools) or None, first)
         except ValueError as exc:  # the template cannot render this conversation
             raise ProtocolError(400, str(exc)) from exc
+        self._check_open(session)
         if rec is not None:
             self._num_breaks += 1
             if rec.turns:  # a segment without a generation has nothing to train on
@@ -264,29 +380,55 @@ class Gateway:
             session.on_segment(rec)
         return rec
 
+    def _check_fits(self, messages: Sequence[Message], room: int) -> None:
+        """Refuse, before rendering, text that cannot fit in `room` tokens: system, user and
+        tool text is rendered verbatim (assistant turns may be trimmed of reasoning, so
+        they are not counted) and no token covers more than max_token_chars characters."""
+        chars = sum(len(m.content.strip()) for m in messages if m.role != "assistant")
+        least = -(-chars // self.max_token_chars)
+        if chars and least >= room:
+            raise ProtocolError(400, f"the request cannot fit this session's budget: its system, user and tool "
+                                     f"text ({chars} characters) is at least {least} tokens (no token of this "
+                                     f"model is over {self.max_token_chars} characters) and {max(room, 0)} "
+                                     "tokens are left", "context_length_exceeded", reason=ErrorReason.CONTEXT)
+
+    async def _offload(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a worker thread, so the event loop keeps serving other sessions;
+        work over LARGE_WORK_CHARS on the large lane."""
+        pool = self._large_work if size > LARGE_WORK_CHARS else self._small_work
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    def _render(self, messages: Sequence[Message], tools: list[Mapping[str, Any]] | None, first: bool) -> list[int]:
+        return (self.chat.initial_prompt_ids(messages, tools) if first
+                else self.chat.reset_context(messages, tools))
+
     def _suffix_ids(self, suffix: Sequence[Message], ended_with_stop: bool) -> list[int] | None:
         """Ids of the new messages after the last generation; None where the builder must
-        start a new segment instead (a user turn that drops earlier reasoning)."""
+        start a new segment instead (a user turn that drops earlier reasoning, or text
+        after which the template's continuation cannot be derived)."""
         roles = {m.role for m in suffix}
-        if roles == {"tool"}:
-            return self.chat.observation_ids(suffix, ended_with_stop)
-        if self.chat.starts_segment_on_user_turn:
+        try:
+            if roles == {"tool"}:
+                return self.chat.observation_ids(suffix, ended_with_stop)
+            if self.chat.starts_segment_on_user_turn:
+                return None
+            if roles == {"user"}:
+                return self.chat.user_message_ids(suffix, ended_with_stop)
+            # Tool results then a user message (an Anthropic user turn with both): the
+            # template's own continuation after the assistant turn, as for either alone.
+            continuation = getattr(self.chat, "_continuation", None)
+            if continuation is None:
+                return None
+            return encode(self.tokenizer, continuation(suffix, ended_with_stop))
+        except ValueError:  # the builder cannot continue exactly here: a fresh render can
             return None
-        if roles == {"user"}:
-            return self.chat.user_message_ids(suffix, ended_with_stop)
-        # Tool results then a user message (an Anthropic user turn with both): the
-        # template's own continuation after the assistant turn, as for either alone.
-        continuation = getattr(self.chat, "_continuation", None)
-        if continuation is None:
-            return None
-        return encode(self.tokenizer, continuation(suffix, ended_with_stop))
 
     async def _generate(self, session: GatewaySession, rec: TrajectoryRecorder, request: TurnRequest,
                         extra_stops: tuple[int, ...]) -> Any:
         room = rec.room_for_generation()
         if room <= 0:
             raise ProtocolError(400, "the conversation fills the model's context or response budget",
-                                "context_length_exceeded")
+                                "context_length_exceeded", reason=ErrorReason.CONTEXT)
         s = self.settings
         trust = s.trust_request_sampling
         temperature = request.temperature if trust and request.temperature is not None else s.temperature
@@ -303,19 +445,32 @@ class Gateway:
 
     def _stop_ids_of(self, stops: Sequence[str]) -> tuple[int, ...]:
         """Stop strings that are one token stop the engine there (the token is kept, as a
-        stop token is); any other would need the sampled ids cut after the fact: refused."""
+        stop token is); any other would need the sampled ids cut after the fact: refused
+        (one longer than any token without encoding it)."""
         ids = []
         for text in stops:
-            encoded = encode(self.tokenizer, text)
+            encoded = encode(self.tokenizer, text) if len(text) <= self.max_token_chars else ()
             if len(encoded) != 1:
-                raise ProtocolError(400, f"stop sequence {text!r} is not supported: only stop strings "
-                                         "that are a single token of the model are")
+                raise ProtocolError(400, f"stop sequence {text!r:.80} is not supported: only stop strings "
+                                         "that are a single token of the model are", param="stop",
+                                    reason=ErrorReason.UNSUPPORTED)
             ids.append(encoded[0])
         return tuple(ids)
 
     def stats(self) -> GatewayStats:
         return GatewayStats(self._num_sessions, len(self._sessions), self._num_segments, self._num_breaks,
-                            self._num_reencoded, self._num_requests, self._num_errors)
+                            self._num_reencoded, self._num_requests, sum(self._errors.values()),
+                            {reason.value: n for reason, n in self._errors.items()})
+
+    def close(self) -> None:
+        """Stop the worker threads (work in flight finishes; nothing new starts)."""
+        self._small_work.shutdown(wait=False, cancel_futures=True)
+        self._large_work.shutdown(wait=False, cancel_futures=True)
+
+
+def _num_chars(messages: Sequence[Message]) -> int:
+    """About how much text rendering `messages` handles (which lane it runs on)."""
+    return sum(len(m.content) + len(m.reasoning or "") for m in messages)
 
 
 def _token_of(headers: Mapping[str, str]) -> str | None:
@@ -329,26 +484,27 @@ def build_app(gateway: Gateway) -> Any:
     """The FastAPI app over `gateway` (imports fastapi)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI(title="sluice gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def error(exc: ProtocolError, protocol: str) -> JSONResponse:
+    def error(exc: ProtocolError, protocol: WireProtocol) -> JSONResponse:
         return JSONResponse(exc.body(protocol), status_code=exc.status)  # type: ignore[arg-type]
 
-    async def serve(request: Request, session_id: str, protocol: str) -> Any:
+    async def body_chunks(request: Request) -> AsyncIterator[bytes]:
         try:
-            session = gateway.authorize(session_id, _token_of(request.headers))
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ProtocolError(400, f"the request body is not valid JSON: {exc}") from exc
-            turn = parse_openai_request(body) if protocol == "openai" else parse_anthropic_request(body)
-            reply = await gateway.complete(session, turn)
-        except ProtocolError as exc:
+            async for chunk in request.stream():
+                yield chunk
+        except ClientDisconnect as exc:
+            raise ProtocolError(400, "the client disconnected before it sent the whole body",
+                                reason=ErrorReason.MALFORMED) from exc
+
+    async def serve(request: Request, session_id: str, protocol: WireProtocol) -> Any:
+        try:
+            turn, reply = await gateway.handle(protocol, session_id, _token_of(request.headers),
+                                               request.headers.get("content-length"), body_chunks(request))
+        except ProtocolError as exc:  # every refusal and failure, counted by the gateway
             return error(exc, protocol)
-        except Exception as exc:  # an engine failure: the harness gets the protocol's 500
-            log.warning("gateway session %s: %s: %s", session_id, type(exc).__name__, exc)
-            return error(ProtocolError(500, f"generation failed: {type(exc).__name__}: {exc}"), protocol)
         if turn.stream:
             events = openai_stream(reply, turn.include_usage) if protocol == "openai" else anthropic_stream(reply)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -362,23 +518,19 @@ def build_app(gateway: Gateway) -> Any:
     async def messages(session_id: str, request: Request) -> Any:
         return await serve(request, session_id, "anthropic")
 
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": gateway.settings.model_name, "object": "model",
-                                             "created": 0, "owned_by": "sluice"}]}
+    async def models(session_id: str | None, request: Request) -> Any:
+        try:
+            return await gateway.list_models(session_id, _token_of(request.headers))
+        except ProtocolError as exc:
+            return error(exc, "openai")
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> Any:
-        if not gateway.known_token(_token_of(request.headers)):
-            return error(ProtocolError(401, "missing or invalid API key"), "openai")
-        return models()
+        return await models(None, request)
 
     @app.get("/sessions/{session_id}/v1/models")
     async def list_session_models(session_id: str, request: Request) -> Any:
-        try:
-            gateway.authorize(session_id, _token_of(request.headers))
-        except ProtocolError as exc:
-            return error(exc, "openai")
-        return models()
+        return await models(session_id, request)
 
     return app
 
@@ -430,3 +582,4 @@ class GatewayServer:
             self._server.should_exit = True
             await self._task
             self._server = self._task = None
+        self.gateway.close()

@@ -1,7 +1,14 @@
-"""The gateway's session logic on a fake engine (no server, no vLLM engine): a request
-that extends the previous one appends only the new ids to the same segment; a rewrite, a
-retry or new tools start a new segment, counted; tool calls come back in each protocol's
-format; tokens are per session; malformed bodies get the protocol's error shape.
+"""The gateway's session logic on a fake engine (no vLLM engine): a request that extends
+the previous one appends only the new ids to the same segment; a rewrite, a retry or new
+tools start a new segment, counted; tool calls come back in each protocol's format; tokens
+are per session; malformed bodies get the protocol's error shape.
+
+Bad input, by class (each refused with a 4xx, counted by reason, never a 500): bodies over
+the size cap (413, before they are read), JSON nested too deep (before decoding), invalid
+UTF-8 and lone surrogates, NaN/Infinity, every field of the wrong type in both protocols,
+text that cannot fit the session's budget (refused before rendering), stop strings longer
+than any token; and over HTTP against the real server (uvicorn, a fake engine), including
+one session's huge request held mid-render while another session's small one completes.
 The real clients against the real engine are in tests/integration/test_gateway_e2e.py.
 """
 
@@ -9,17 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import numpy as np
 import pytest
+import pytest_asyncio
 
-from envs.types import TerminationReason
-from rollout.chat import build_continuity_builder
+from envs.types import Message, TerminationReason
+from rollout.chat import build_continuity_builder, encode
 from rollout.engine import TokenOutput
 from rollout.gate import TurnGate
-from rollout.gateway.server import Gateway, GatewaySettings
+from rollout.gateway.server import Gateway, GatewayServer, GatewaySettings, GatewayStats, sum_gateway_stats
 from rollout.gateway.protocol import (ProtocolError, anthropic_response, openai_response,
                                       parse_anthropic_request, parse_openai_request)
+from rollout.gateway.refusals import ErrorReason, json_depth, load_json
 from rollout.recorder import Budgets
 from rollout.router import Router
 
@@ -263,3 +273,431 @@ def test_chat_spec_rebuilds_the_same_builder(tokenizer, chat):
     _, rebuilt = spec.build()
     messages = parse_openai_request({"messages": HEAD}).messages
     assert rebuilt.initial_prompt_ids(messages, None) == chat.initial_prompt_ids(messages, None)
+
+
+# -- bad input, by class ---------------------------------------------------------------------
+
+def nested(depth: int, opener: str = "[", closer: str = "]") -> bytes:
+    return (opener * depth + closer * depth).encode()
+
+
+def test_json_depth_counts_structure_only():
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert json_depth(nested(100_000)) == 100_000
+    # Brackets inside strings, escaped quotes and escaped backslashes do not count.
+    assert json_depth(json.dumps({"content": "[" * 500 + '\\"{{{' + "\\\\"}).encode()) == 1
+    assert json_depth(b'["\\\\", "[[[", ["\\"]"]]') == 2
+
+
+@pytest.mark.parametrize("data", [
+    nested(100_000),  # the 500 of the report: a RecursionError inside the decoder
+    b'{"a":' * 65 + b"1" + b"}" * 65,
+    b'{"messages": ' + nested(70) + b"}",
+    nested(200_000, "{", "}"),  # invalid JSON too: refused before the decoder sees it
+])
+def test_json_nested_too_deep_is_refused_before_decoding(data):
+    with pytest.raises(ProtocolError) as refused:
+        load_json(data, 64)
+    assert refused.value.status == 400 and refused.value.reason is ErrorReason.MALFORMED
+    assert "deep" in refused.value.message and "max_json_depth" in refused.value.message
+
+
+def test_json_at_the_depth_limit_is_accepted():
+    value = load_json(b'{"a":' * 63 + b"[1]" + b"}" * 63, 64)
+    for _ in range(63):
+        value = value["a"]
+    assert value == [1]
+
+
+@pytest.mark.parametrize("data, words", [
+    (b'{"messages": "\\ud800"}', "surrogate"),  # a lone high surrogate
+    (b'{"messages": "ok \\udc00 ok"}', "surrogate"),  # a lone low one
+    (b'{"messages": "\\udc00\\ud800"}', "surrogate"),  # a pair in the wrong order
+    (b'{"\\ud83d": 1}', "surrogate"),  # in a key
+    (b'[1, ["x", "\\uDBFF"]]', "surrogate"),  # upper-case hex, nested
+    (b'{"a": "\xff"}', "UTF-8"),  # not UTF-8
+    (b'{"a": "\xed\xa0\x80"}', "UTF-8"),  # a surrogate encoded as bytes (CESU-8)
+    (b'{"a": "\xc0\xaf"}', "UTF-8"),  # an overlong encoding
+    (b'{"a": NaN}', "NaN"),
+    (b'{"a": -Infinity}', "Infinity"),
+    (b"[" + b"9" * 5000 + b"]", "digits"),  # an int Python will not convert
+    (b'{"a": 1', "JSON"),
+    (b"", "JSON"),
+])
+def test_undecodable_bodies_are_refused(data, words):
+    with pytest.raises(ProtocolError) as refused:
+        load_json(data, 64)
+    assert refused.value.status == 400 and refused.value.reason is ErrorReason.MALFORMED
+    assert words in refused.value.message
+    json.dumps(refused.value.body("openai")).encode("utf-8")  # the error itself is sendable
+
+
+def test_valid_unicode_passes():
+    assert load_json(b'{"a": "\\ud83d\\ude00 \xc3\xa9 \\\\ud800"}', 64) == {"a": "\U0001F600 \u00e9 \\ud800"}
+
+
+USER = [{"role": "user", "content": "x"}]
+ANTHROPIC = {"max_tokens": 8, "messages": USER}
+TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "echo", "input": {}}]}
+
+
+@pytest.mark.parametrize("body, param, reason", [
+    ({"messages": USER, "tools": 5}, "tools", "invalid"),  # the 500 of the report
+    ({"messages": USER, "tools": [5]}, "tools[0]", "invalid"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools[0].function", "invalid"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0].function.name",
+     "invalid"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters", "invalid"),
+    ({"messages": USER, "tools": [{"type": "custom", "custom": {}}]}, "tools[0].type", "unsupported"),
+    ({"messages": USER, "tool_choice": 5}, "tool_choice", "invalid"),
+    ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+     "unsupported"),
+    ({"messages": "hi"}, "messages", "invalid"),
+    ({"messages": ["hi"]}, "messages[0]", "invalid"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "invalid"),
+    ({"messages": [{"role": 5, "content": "x"}]}, "messages[0].role", "invalid"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text",
+     "invalid"),
+    ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]", "invalid"),
+    ({"messages": [{"role": "user", "content": "x", "name": []}]}, "messages[0].name", "invalid"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": ["a"]}]}, "messages[0].tool_call_id",
+     "invalid"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls", "invalid"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": {"a": 1}}]}, "messages[0].tool_calls",
+     "invalid"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "[1]"}}]}]}, "messages[0].tool_calls[0].function.arguments", "invalid"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 7}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "invalid"),
+    ({"messages": [{"role": "assistant", "content": "", "reasoning_content": 1}]},
+     "messages[0].reasoning_content", "invalid"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "unsupported"),
+    ({"messages": USER, "max_tokens": "5"}, "max_tokens", "invalid"),
+    ({"messages": USER, "max_tokens": True}, "max_tokens", "invalid"),
+    ({"messages": USER, "max_tokens": 1.5}, "max_tokens", "invalid"),
+    ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens", "invalid"),
+    ({"messages": USER, "temperature": 1e999}, "temperature", "invalid"),  # decodes to inf
+    ({"messages": USER, "temperature": 3}, "temperature", "invalid"),
+    ({"messages": USER, "top_p": -0.1}, "top_p", "invalid"),
+    ({"messages": USER, "stop": 5}, "stop", "invalid"),
+    ({"messages": USER, "stop": ["a", 1]}, "stop[1]", "invalid"),
+    ({"messages": USER, "stop": ["x"] * 17}, "stop", "invalid"),
+    ({"messages": USER, "stream": "yes"}, "stream", "invalid"),
+    ({"messages": USER, "stream": 1}, "stream", "invalid"),
+    ({"messages": USER, "stream_options": 5}, "stream_options", "invalid"),
+    ({"messages": USER, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "invalid"),
+    ({"messages": USER, "n": "2"}, "n", "invalid"),
+    ({"messages": USER, "model": 5}, "model", "invalid"),
+    ({"messages": USER, "seed": "x"}, "seed", "invalid"),
+    ({"messages": USER, "parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid"),
+    ({"messages": USER, "logit_bias": [1]}, "logit_bias", "invalid"),
+    ({"messages": USER, "presence_penalty": "1"}, "presence_penalty", "invalid"),
+    ({"messages": USER, "response_format": 5}, "response_format", "invalid"),
+    ({"messages": USER, "functions": [{"name": "f"}]}, "functions", "unsupported"),
+    ({"messages": USER, "modalities": ["text", "audio"]}, "modalities", "unsupported"),
+])
+def test_openai_fields_of_the_wrong_type_are_named(body, param, reason):
+    with pytest.raises(ProtocolError) as refused:
+        parse_openai_request(body)
+    err = refused.value
+    assert err.status == 400 and err.reason.value == reason, err.message
+    assert err.body("openai")["error"]["param"] == param and param.split(".")[0].split("[")[0] in err.message
+
+
+@pytest.mark.parametrize("patch, where, reason", [
+    ({"tools": 5}, "tools", "invalid"),
+    ({"tools": [{"name": "f", "input_schema": "x"}]}, "tools.0.input_schema", "invalid"),
+    ({"tools": [{"input_schema": {}}]}, "tools.0.name", "invalid"),
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools.0.type", "unsupported"),
+    ({"tool_choice": "auto"}, "tool_choice", "invalid"),  # an object in this protocol
+    ({"tool_choice": {"type": "any"}}, "tool_choice", "unsupported"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type", "invalid"),
+    ({"system": 5}, "system", "invalid"),
+    ({"system": [{"type": "text"}]}, "system.0.text", "invalid"),
+    ({"system": [{"type": "image"}]}, "system.0.type", "unsupported"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content", "invalid"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "invalid"),
+    ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages.0.content.0.type", "invalid"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type",
+     "unsupported"),
+    ({"messages": [{"role": "user", "content": [TOOL_USE["content"][0]]}]}, "messages.0.content.0.type",
+     "invalid"),  # a tool_use block in a user turn
+    ({"messages": [USER[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": 5}]},
+                   USER[0]]}, "messages.1.content.0.name", "invalid"),
+    ({"messages": [USER[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                                "input": "x"}]}, USER[0]]},
+     "messages.1.content.0.input", "invalid"),
+    ({"messages": [USER[0], TOOL_USE, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": {}}]}]}]},
+     "messages.2.content.0.content.0.type", "unsupported"),
+    ({"messages": [USER[0], TOOL_USE, {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+     "messages.2.content.0.tool_use_id", "invalid"),
+    ({"messages": [USER[0], {"role": "assistant", "content": "Sure,"}]}, "messages.1", "unsupported"),  # prefill
+    ({"max_tokens": "8"}, "max_tokens", "invalid"),
+    ({"max_tokens": 0}, "max_tokens", "invalid"),
+    ({"thinking": "on"}, "thinking", "invalid"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking", "unsupported"),
+    ({"stop_sequences": "x"}, "stop_sequences", "invalid"),
+    ({"temperature": 1.5}, "temperature", "invalid"),  # 0..1 in this protocol
+    ({"top_k": -1}, "top_k", "invalid"),
+    ({"stream": "true"}, "stream", "invalid"),
+    ({"metadata": "x"}, "metadata", "invalid"),
+])
+def test_anthropic_fields_of_the_wrong_type_are_named(patch, where, reason):
+    with pytest.raises(ProtocolError) as refused:
+        parse_anthropic_request({**ANTHROPIC, **patch})
+    err = refused.value
+    assert err.status == 400 and err.reason.value == reason, err.message
+    assert where in err.message and err.body("anthropic")["error"]["type"] == "invalid_request_error"
+
+
+def test_tool_call_arguments_get_the_same_guards():
+    deep = "[" * 100 + "]" * 100
+    for arguments, words in ((deep, "deep"), ('{"a": "\\ud800"}', "surrogate"), ('{"a": NaN}', "NaN")):
+        body = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]},
+                             USER[0]]}
+        with pytest.raises(ProtocolError, match=words) as refused:
+            parse_openai_request(body)
+        assert refused.value.status == 400
+    ok = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"x": [1]}'}}]},
+                       USER[0]]}
+    assert parse_openai_request(ok).messages[0].tool_calls[0].arguments == {"x": [1]}
+
+
+async def chunks_of(data: bytes, size: int = 65536, consumed: list[int] | None = None):
+    for start in range(0, len(data), size):
+        if consumed is not None:
+            consumed.append(start)
+        yield data[start:start + size]
+
+
+def small_gateway(tokenizer, chat, script=("ok",), budgets=Budgets(4096, 2048, 256), **settings):
+    engine = FakeScriptedEngine(tokenizer, list(script), chat.end_of_turn_id)
+    return Gateway(Router({"e0": engine}), TurnGate(), chat, tokenizer,
+                   GatewaySettings("policy", budgets, **settings)), engine
+
+
+async def test_bodies_over_the_cap_are_refused_before_they_are_read(tokenizer, chat):
+    gateway, _ = small_gateway(tokenizer, chat, max_body_bytes=4096)
+    session = gateway.open_session("t", "g", 0)
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}).encode()
+    for declared in (str(len(big)), "9" * 40):  # the length it declares, or an absurd one
+        consumed: list[int] = []
+        with pytest.raises(ProtocolError) as refused:
+            await gateway.handle("openai", session.id, session.token, declared, chunks_of(big, consumed=consumed))
+        assert refused.value.status == 413 and "4096" in refused.value.message and consumed == []
+    consumed = []  # chunked (no length): read only until past the cap
+    with pytest.raises(ProtocolError) as refused:
+        await gateway.handle("anthropic", session.id, session.token, None, chunks_of(big, 1024, consumed))
+    assert refused.value.status == 413 and len(consumed) == 5
+    assert refused.value.body("anthropic")["error"]["type"] == "request_too_large"
+    small = json.dumps({"messages": HEAD}).encode()
+    turn, reply = await gateway.handle("openai", session.id, session.token, str(len(small)), chunks_of(small))
+    assert reply.content == "ok" and turn.messages[-1].content == "Echo hi."
+    stats = gateway.stats()
+    assert stats.num_requests == 4 and stats.errors_by_reason == {"too_large": 3}
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        GatewaySettings("policy", Budgets(4096, 2048, 256), max_body_bytes=10)
+
+
+def test_no_token_covers_more_characters_than_the_bound(tokenizer):
+    """The length bound is sound: text of C characters is at least C / max_token_chars tokens."""
+    gateway, _ = small_gateway(tokenizer, build_continuity_builder(tokenizer, "tiny", reasoning_parser="none"))
+    longest = max(tokenizer.get_vocab(), key=len)
+    texts = ["a" * 997, " " * 1000, "\n" * 300, longest * 50, "<|im_start|>" * 40, "é漢字😀\u0301" * 100,
+             "".join(chr(32 + (i * 7919) % 5000) for i in range(3000)), "the cat sat on the mat. " * 80]
+    for text in texts:
+        assert len(encode(tokenizer, text)) * gateway.max_token_chars >= len(text), text[:20]
+
+
+class FakeCountingChat:
+    """A fake continuity builder: the real one, counting how much text it was asked to render."""
+
+    def __init__(self, chat) -> None:
+        self.chat, self.rendered = chat, []
+
+    def __getattr__(self, name):
+        return getattr(self.chat, name)
+
+    def initial_prompt_ids(self, messages, tools):
+        self.rendered.append(sum(len(m.content) for m in messages))
+        return self.chat.initial_prompt_ids(messages, tools)
+
+    def observation_ids(self, messages, ended):
+        self.rendered.append(sum(len(m.content) for m in messages))
+        return self.chat.observation_ids(messages, ended)
+
+
+async def test_text_that_cannot_fit_is_refused_before_it_is_rendered(tokenizer, chat):
+    counting = FakeCountingChat(chat)
+    gateway, engine = small_gateway(tokenizer, counting, [CALL, "done"], Budgets(2048, 1024, 64))
+    session = gateway.open_session("t", "g", 0)
+    limit = gateway.max_token_chars * 2048
+    for content in ("x" * limit, "y " * (limit // 2), "z" * 10 * limit):
+        with pytest.raises(ProtocolError) as refused:
+            await ask(gateway, session, {"messages": [HEAD[0], {"role": "user", "content": content}]})
+        assert refused.value.reason is ErrorReason.CONTEXT and "characters" in refused.value.message
+    assert counting.rendered == [] and engine.prompts == []
+    first = (await ask(gateway, session, {"messages": HEAD, "tools": TOOLS}))["choices"][0]["message"]
+    (call,) = first["tool_calls"]
+    history = HEAD + [first]
+    room = 2048 - len(engine.prompts[0]) - len(engine.outputs[0].token_ids)
+    huge = {"role": "tool", "tool_call_id": call["id"], "content": "w" * (gateway.max_token_chars * room)}
+    with pytest.raises(ProtocolError, match="tokens are left") as refused:
+        await ask(gateway, session, {"messages": history + [huge], "tools": TOOLS})
+    assert len(counting.rendered) == 1  # the first prompt only: the tool output was never rendered
+    # The refusal recorded nothing: a tool result that fits still extends the same segment.
+    await ask(gateway, session, {"messages": history + [{**huge, "content": "hi"}], "tools": TOOLS})
+    (segment,) = gateway.close_session(session.id, TerminationReason.FINISHED)
+    assert len(segment.turns) == 2 and gateway.stats().num_prefix_breaks == 0
+    assert gateway.stats().errors_by_reason == {"context": 4}
+
+
+async def test_a_stop_string_longer_than_any_token_is_refused_without_encoding(tokenizer, chat):
+    gateway, engine = small_gateway(tokenizer, chat)
+    session = gateway.open_session("t", "g", 0)
+    with pytest.raises(ProtocolError, match="single token") as refused:
+        await ask(gateway, session, {"messages": HEAD, "stop": ["s" * 3_000_000]})
+    assert refused.value.reason is ErrorReason.UNSUPPORTED and len(refused.value.message) < 300
+    assert engine.prompts == []
+
+
+class FakeFailingEngine:
+    """A fake engine whose every generation fails."""
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        raise RuntimeError("engine died")
+
+
+async def test_every_refusal_is_counted_by_reason(tokenizer, chat):
+    gateway, _ = small_gateway(tokenizer, chat)
+    mine, other = gateway.open_session("t", "g", 0), gateway.open_session("t", "g", 1)
+    closed = gateway.open_session("t", "g", 2)
+    gateway.close_session(closed.id, TerminationReason.FINISHED)
+    cases = [(mine.id, "forged", b"{}", 401), (mine.id, other.token, b"{}", 403),
+             (closed.id, closed.token, b"{}", 401), (mine.id, mine.token, b'{"messages": "\\ud800"}', 400),
+             (mine.id, mine.token, nested(100_000), 400), (mine.id, mine.token, b'{"messages": [], "tools": 5}', 400),
+             (mine.id, mine.token, json.dumps({"messages": HEAD, "n": 3}).encode(), 400)]
+    for session_id, token, body, status in cases:
+        with pytest.raises(ProtocolError) as refused:
+            await gateway.handle("openai", session_id, token, None, chunks_of(body))
+        assert refused.value.status == status
+    with pytest.raises(ProtocolError) as missing:
+        await gateway.list_models(None, "forged")
+    assert missing.value.status == 401
+    failing = Gateway(Router({"e0": FakeFailingEngine()}), TurnGate(), chat, tokenizer, gateway.settings)
+    session = failing.open_session("t", "g", 0)
+    with pytest.raises(ProtocolError) as failed:
+        await failing.handle("openai", session.id, session.token, None, chunks_of(json.dumps({"messages": HEAD}).encode()))
+    assert failed.value.status == 500 and "engine died" in failed.value.message
+    stats = gateway.stats()
+    assert stats.num_requests == 8 and stats.num_errors == 8
+    assert stats.errors_by_reason == {"auth": 4, "malformed": 2, "invalid": 1, "unsupported": 1}
+    total = sum_gateway_stats([stats, failing.stats(), GatewayStats(1, 0, 1, 0, 0, 2, 0)])
+    assert (total.num_requests, total.num_errors) == (11, 9)
+    metrics = total.as_metrics()
+    assert metrics["gateway/errors"] == 9 and metrics["gateway/errors/auth"] == 4
+    assert metrics["gateway/errors/server"] == 1 and "gateway/errors/too_large" not in metrics
+    assert sum(v for k, v in metrics.items() if k.startswith("gateway/errors/")) == metrics["gateway/errors"]
+
+
+# -- over HTTP, against the real server (uvicorn) with a fake engine ---------------------------
+
+class FakeBlockingChat:
+    """A fake continuity builder: the real one, except that rendering a conversation over
+    `big` characters waits (on its worker thread) until `release` is set, and then renders
+    a short stand-in conversation (tokenizing megabytes would only slow the test)."""
+
+    def __init__(self, chat, big: int) -> None:
+        self.chat, self.big = chat, big
+        self.release, self.started = threading.Event(), threading.Semaphore(0)
+
+    def __getattr__(self, name):
+        return getattr(self.chat, name)
+
+    def initial_prompt_ids(self, messages, tools):
+        if sum(len(m.content) for m in messages) > self.big:
+            self.started.release()
+            # Bounded: if rendering ran on the event loop, this wait would stall every
+            # session, and the test then fails on the ordering instead of hanging.
+            self.release.wait(timeout=20)
+            messages = [Message("user", "a stand-in for the huge message")]
+        return self.chat.initial_prompt_ids(messages, tools)
+
+
+@pytest_asyncio.fixture
+async def http_gateway(tokenizer, chat):
+    import httpx
+
+    blocking = FakeBlockingChat(chat, big=100_000)
+    engine = FakeScriptedEngine(tokenizer, ["ok"], chat.end_of_turn_id)
+    gateway = Gateway(Router({"e0": engine}), TurnGate(), blocking, tokenizer,
+                      GatewaySettings("policy", Budgets(10_000_000, 2048, 16)))
+    server = GatewayServer(gateway)
+    await server.start()
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        yield server, client, blocking
+    blocking.release.set()
+    await server.stop()
+
+
+def post(client, session, protocol="openai", **kwargs):
+    path = "chat/completions" if protocol == "openai" else "messages"
+    return client.post(f"/sessions/{session.id}/v1/{path}", headers={"authorization": f"Bearer {session.token}"},
+                       **kwargs)
+
+
+async def test_http_bad_input_gets_4xx_in_the_protocols_shape(http_gateway):
+    server, client, _ = http_gateway
+    mine, other = server.gateway.open_session("t", "h", 0), server.gateway.open_session("t", "h", 1)
+    openai_cases = [
+        (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "surrogate"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": 5}', 400, "'tools' must be an array"),
+        (nested(100_000), 400, "deep"),
+        (b'{"messages": [{"role": "user", "content": "\xff"}]}', 400, "UTF-8"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "'stream' must be a boolean"),
+        (b"x" * (5 * 2**20), 413, "at most 4194304 bytes"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e999}', 400, "max_tokens"),
+    ]
+    for body, status, words in openai_cases:
+        response = await post(client, mine, content=body)
+        assert response.status_code == status and words in response.json()["error"]["message"], response.text
+    response = await post(client, mine, content=(c async for c in chunks_of(b"y" * (5 * 2**20))))  # chunked
+    assert response.status_code == 413
+    anthropic_cases = [(b'{"max_tokens": 4, "messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+                       (b'{"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": 5}', 400),
+                       (b'{"max_tokens": "4", "messages": []}', 400)]
+    for body, status in anthropic_cases:
+        response = await post(client, mine, "anthropic", content=body)
+        assert response.status_code == status and response.json()["type"] == "error"
+    wrong = await client.post(f"/sessions/{mine.id}/v1/messages", headers={"x-api-key": other.token}, content=b"{}")
+    assert wrong.status_code == 403 and wrong.json()["error"]["type"] == "permission_error"
+    assert (await client.get("/v1/models", headers={"authorization": "Bearer nope"})).status_code == 401
+    assert (await client.get(f"/sessions/{mine.id}/v1/models",
+                             headers={"authorization": f"Bearer {mine.token}"})).json()["data"][0]["id"] == "policy"
+    stats = server.gateway.stats()
+    assert stats.errors_by_reason == {"malformed": 4, "invalid": 5, "too_large": 2, "auth": 2}
+    ok = await post(client, mine, json={"messages": HEAD})  # the session still works
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ok"
+
+
+async def test_one_sessions_huge_request_does_not_hold_up_another_session(http_gateway):
+    """Two sessions' huge requests (3 MB each, under the 4 MiB cap) are held mid-render on
+    their worker threads; meanwhile a third session's small request and a fourth's
+    malformed one are answered. Only then are the huge ones released."""
+    server, client, blocking = http_gateway
+    sessions = [server.gateway.open_session("t", "iso", i) for i in range(4)]
+    huge = {"messages": [{"role": "user", "content": "h" * 3_000_000}], "max_tokens": 4}
+    big = [asyncio.create_task(post(client, s, json=huge)) for s in sessions[:2]]
+    for _ in big:  # both are rendering (the large lane is full)
+        assert await asyncio.to_thread(blocking.started.acquire, timeout=30)
+    small = await asyncio.wait_for(post(client, sessions[2], json={"messages": HEAD}), 30)
+    bad = await asyncio.wait_for(post(client, sessions[3], content=nested(100_000)), 30)
+    assert small.status_code == 200 and bad.status_code == 400
+    assert not any(t.done() for t in big)  # answered while the huge ones were still in progress
+    blocking.release.set()
+    for response in await asyncio.gather(*big):
+        assert response.status_code == 200, response.text
