@@ -243,7 +243,7 @@ class VLLMEngine:
 
     async def receive_weights(self, version: int, wire: list[dict]) -> None:
         """Like `update_weights`, with the tensors broadcast by the trainer in the buckets
-        that `wire` plans (`rollout.weight_reload.encode_plan`). The current version may
+        that `wire` plans (`rollout.weight_protocol.encode_plan`). The current version may
         come again: a push that failed for another engine is sent again to all of them."""
         await self._load_as_version(version, "sluice_receive_weights", (wire,), again_ok=True)
 

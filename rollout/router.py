@@ -233,30 +233,9 @@ class Router:
             raise NoEngineError(f"all engines failed: {', '.join(self._failed)}")
         return out
 
-    async def pause_all(self) -> None:
-        await self._fan_out(lambda e: e.pause())
-
-    async def resume_all(self) -> None:
-        await self._fan_out(lambda e: e.resume())
-
     async def update_weights_all(self, version: int, blob: bytes | None = None,
                                  path: str | None = None) -> None:
         await self._fan_out(lambda e: e.update_weights(version, blob=blob, path=path))
-
-    async def init_weight_group_all(self, host: str, port: int, rank_offsets: dict[str, int],
-                                    world_size: int, backend: str,
-                                    timeout_s: float) -> dict[str, list[int]]:
-        """Every engine's workers join the trainer's weight broadcast group; engine `n`'s
-        first worker takes rank `rank_offsets[n]`. Returns each engine's ranks."""
-        offset_of = {id(e): rank_offsets[n] for n, e in self._engines.items()}
-        return await self._fan_out(lambda e: e.init_weight_group(
-            host, port, offset_of[id(e)], world_size, backend, timeout_s))
-
-    async def receive_weights_all(self, version: int, wire: list[dict]) -> None:
-        await self._fan_out(lambda e: e.receive_weights(version, wire))
-
-    async def reset_prefix_cache_all(self) -> None:
-        await self._fan_out(lambda e: e.reset_prefix_cache())
 
     async def checksum_all(self, names: list[str]) -> dict[str, str]:
         return await self._fan_out(lambda e: e.checksum(names))

@@ -43,10 +43,6 @@ class ImagePrewarm:
     num_loaded: int = 0  # loaded from a local archive
     num_pulled: int = 0  # pulled from a registry
 
-    @property
-    def num_images(self) -> int:
-        return self.num_ready + self.num_loaded + self.num_pulled
-
 
 def archive_name(image: str) -> str:
     """The archive file name of `image` (`podman save -o`): its name with every character

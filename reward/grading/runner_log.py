@@ -256,14 +256,11 @@ def _verdict(reader: _Reader, found_line: bool) -> RunnerLog:
         reported[(_flavour(status), key)] += 1
     for alias, key in reader.aliases.items():
         statuses.setdefault(alias, statuses[key])
-    # Every FAIL/ERROR status has its header and the other way round; unexpected
-    # successes are listed only from Python 3.11 on, so a listed one needs its status.
-    headers = Counter(h for h in reader.headers if h[0] != "UNEXPECTED SUCCESS")
-    listed = Counter({k: n for k, n in reported.items() if k[0] in ("FAIL", "ERROR")})
-    unexpected = Counter(h for h in reader.headers if h[0] == "UNEXPECTED SUCCESS")
+    headers = Counter(reader.headers)
+    listed = Counter({k: n for k, n in reported.items() if k[0] in ("FAIL", "ERROR",
+                                                                    "UNEXPECTED SUCCESS")})
     output = list(reader.output)
-    unmatched = sorted({f"{f}: {k}" for f, k in
-                        (headers - listed) + (listed - headers) + (unexpected - reported)})
+    unmatched = sorted({f"{f}: {k}" for f, k in (headers - listed) + (listed - headers)})
     if unmatched:
         output.append(f"failure headers and status lines disagree: {unmatched[:MAX_NAMED]}")
     totals = list(reader.totals)

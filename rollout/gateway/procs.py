@@ -232,12 +232,6 @@ class GatewayProcesses:
         total = sum_gateway_stats([p.stats for p in self._procs])
         return replace(total, num_open_sessions=sum(p.open_sessions for p in self._procs))
 
-    async def fetch_stats(self) -> GatewayStats:
-        """Totals of every process now (a round trip to each)."""
-        for p in self._procs:
-            p.stats = await self._peer(p).call("stats")
-        return self.stats()
-
     async def stop(self) -> None:
         for p in self._procs:
             if p.peer is not None:

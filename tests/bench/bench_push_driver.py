@@ -1,13 +1,12 @@
-"""Bench (by hand): what a weight push costs the driver, through the driver (before: the
-train group's state dict comes to the driver, which encodes and sends it) versus from
-train rank 0 (after: rank 0 gathers and encodes while rollout goes on, then sends to the
-engines itself; the driver passes a version and gets a PushResult).
+"""Bench (by hand): what a weight push costs the driver. Train rank 0 gathers and encodes
+while rollout goes on, then sends to the engines itself; the driver passes a version and
+gets a PushResult (the path through the driver, which brought the state dict to it, is
+gone).
 
 Real parts: a local Ray cluster, one TrainRankActor (torch backend) and one vLLM engine
-actor on a random Qwen2 of the given size, both paths verified by checksum. Reports the
-driver's peak RSS growth during the push (sampled every 5 ms), the push's wall time, and
-how long the turn gates would stay closed (before: the whole push; after: the send).
-Modes alternate. Never asserts timings.
+actor on a random Qwen2 of the given size, verified by checksum. Reports the driver's
+peak RSS growth during the push (sampled every 5 ms), the push's wall time, and how long
+the turn gates stay closed (the send). Never asserts timings.
 
     python tests/bench/bench_push_driver.py [--hidden 512 --layers 8] [--pushes 3]
 """
@@ -65,10 +64,9 @@ async def main_async(args: argparse.Namespace) -> None:
     from rollout.router import Router
     from trainer.run.recipe import load_config
     from trainer.train.train_actor import RayTrainer, TrainGroup
-    from trainer.train.weight_sync import push_weights
 
     folder = tempfile.mkdtemp(prefix="push-driver-")
-    rows: dict[str, list[tuple[float, float, float]]] = {"driver": [], "rank0": []}
+    rows: list[tuple[float, float, float]] = []
     try:
         path = build_model(args.hidden, args.layers, folder)
         size_mb = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
@@ -83,21 +81,14 @@ async def main_async(args: argparse.Namespace) -> None:
         trainer = RayTrainer(group, router, None)
         version = 0
         for _ in range(args.pushes):
-            for mode in ("driver", "rank0"):
-                version += 1
-                start = time.monotonic()
-                with PeakRss() as rss:
-                    if mode == "driver":
-                        state = await group.state_dict_for_push()
-                        await push_weights(router, state, version)
-                        del state
-                        gates = time.monotonic() - start
-                    else:
-                        await trainer.prepare_weights(version)
-                        sent = time.monotonic()
-                        await trainer.push_weights(version)
-                        gates = time.monotonic() - sent
-                rows[mode].append((rss.growth_mb, time.monotonic() - start, gates))
+            version += 1
+            start = time.monotonic()
+            with PeakRss() as rss:
+                await trainer.prepare_weights(version)
+                sent = time.monotonic()
+                await trainer.push_weights(version)
+                gates = time.monotonic() - sent
+            rows.append((rss.growth_mb, time.monotonic() - start, gates))
         ray.shutdown()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -105,12 +96,11 @@ async def main_async(args: argparse.Namespace) -> None:
           f"python {platform.python_version()}")
     print(f"command: python tests/bench/bench_push_driver.py --hidden {args.hidden} --layers "
           f"{args.layers} --pushes {args.pushes}")
-    print(f"model: {size_mb:.1f} MB fp32; 1 engine; medians over {args.pushes} pushes per mode\n")
+    print(f"model: {size_mb:.1f} MB fp32; 1 engine; medians over {args.pushes} pushes\n")
     print("| path | driver peak RSS growth MB | push s | gates closed s |")
     print("|---|---:|---:|---:|")
-    for mode, name in (("driver", "through the driver (before)"), ("rank0", "from train rank 0 (after)")):
-        mb, total, gates = (statistics.median(r[i] for r in rows[mode]) for i in range(3))
-        print(f"| {name} | {mb:.1f} | {total:.3f} | {gates:.3f} |")
+    mb, total, gates = (statistics.median(r[i] for r in rows) for i in range(3))
+    print(f"| from train rank 0 | {mb:.1f} | {total:.3f} | {gates:.3f} |")
 
 
 def main() -> None:

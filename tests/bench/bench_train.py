@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ATTENTION_LABELS = {"sluice_packed_sdpa": "per-seq sdpa", "sdpa": "sdpa+mask"}
 sys.path.insert(0, str(ROOT))
 
+from buffer.batch import TrainBatch  # noqa: E402  (after the path fix: runs as a script)
 from envs.types import Trajectory  # noqa: E402  (after the path fix: runs as a script)
 
 
@@ -97,8 +98,9 @@ def bench(backend_name: str, zero_stage: int, micro_batch_tokens: int,
     model = backend.forward_model
     attn_used = getattr(model, "module", model).config._attn_implementation  # DS engine wraps it
     advantages = np.tile([1.0, -1.0], len(batch) // 2 + 1)[:len(batch)]
-    backend.train_step(batch, advantages, LossConfig())  # warm-up: allocator, kernels
-    results = [backend.train_step(batch, advantages, LossConfig()) for _ in range(num_steps)]
+    backend.train_step(TrainBatch(batch, advantages, backend.version), LossConfig())  # warm-up: allocator, kernels
+    results = [backend.train_step(TrainBatch(batch, advantages, backend.version), LossConfig())
+               for _ in range(num_steps)]
     step_s = float(np.median([r.step_s for r in results]))
     first = results[0]
     return BenchRow(

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 # After the path fix: this file runs as a script, next to bench_train.
 from bench_train import build_batch, machine_info
 
+from buffer.batch import TrainBatch  # noqa: E402  (after the path fix: runs as a script)
 from envs.types import Trajectory
 
 EPS_LOW, EPS_HIGH, LR, MAX_GRAD_NORM = 0.2, 0.28, 1e-5, 1.0
@@ -101,7 +102,8 @@ class SluiceSide:
 
     def step(self) -> StepTime:
         start = time.perf_counter()
-        result = self._backend.train_step(self._batch, self._advantages_B, self._loss_cfg)
+        batch = TrainBatch(self._batch, self._advantages_B, self._backend.version)
+        result = self._backend.train_step(batch, self._loss_cfg)
         return StepTime(time.perf_counter() - start, result.proximal_s, result.loss,
                         result.grad_norm)
 

@@ -1,8 +1,6 @@
 """Bench (by hand): the broadcast weight push (gloo, CPU) with every engine healthy, and
-when one engine dies in the middle of a push. Run it on a tree before and after a change
-(`PYTHONPATH=<other checkout> python tests/bench/bench_weight_group_faults.py`): it
-speaks both the old transport API (driver-side plan, `push_weights(..., transport=)`)
-and the new one (`BroadcastTransport.push(router, version)` from a rank-0 pusher).
+when one engine dies in the middle of a push, through `BroadcastTransport.push(router,
+version)` from a rank-0 pusher.
 
 Real parts: a local Ray cluster, `--engines` vLLM engine actors on a random Qwen2 of the
 given size, rank 0's sender in this process. The fault: the victim's engine core is
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import os
 import platform
 import shutil
@@ -32,28 +29,17 @@ from bench_weight_push import build_model
 
 
 class Pushes:
-    """One push of `state` as `version`, through whichever transport API this tree has."""
+    """One broadcast push of `state` as `version`, from a rank-0 pusher in this process."""
 
     def __init__(self, router, timeout_s: float, bucket_bytes: int) -> None:
-        from trainer import weight_sync_nccl as nccl
+        from trainer.train.weight_sync_nccl import BroadcastTransport, LocalSender
 
         self.router, self.state = router, {}
-        self.old_api = "backend" in inspect.signature(nccl.BroadcastTransport).parameters
-        if self.old_api:
-            sender = nccl.LocalSender(lambda: iter(self.state.items()))
-            self.transport = nccl.BroadcastTransport(sender, "gloo", bucket_bytes=bucket_bytes,
-                                                     tp_size=1, timeout_s=timeout_s)
-        else:
-            sender = nccl.LocalSender(lambda: self.state, "gloo", bucket_bytes=bucket_bytes,
-                                      timeout_s=timeout_s)
-            self.transport = nccl.BroadcastTransport(sender, timeout_s=timeout_s)
+        sender = LocalSender(lambda: self.state, "gloo", bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+        self.transport = BroadcastTransport(sender, timeout_s=timeout_s)
 
     async def push(self, state, version: int):
-        from trainer.train.weight_sync import push_weights
-
         self.state = state
-        if self.old_api:
-            return await push_weights(self.router, state, version, transport=self.transport)
         return await self.transport.push(self.router, version)
 
 

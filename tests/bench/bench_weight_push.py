@@ -2,7 +2,8 @@
 
 Builds a random Qwen2 model of the requested size locally (no downloads), starts one real
 vLLM engine actor on it, and pushes the full state dict several times through
-trainer.train.weight_sync.push_weights (encode + Ray transfer + in-place reload + checksum
+the CPU push train rank 0 makes (rollout.weight_protocol.encode_state, then
+trainer.train.weight_sync.send_prepared: Ray transfer + in-place reload + checksum
 verification). Prints a table; asserts nothing about time.
 
     .venv/bin/python tests/bench/bench_weight_push.py [--hidden 512 --layers 8] [--pushes 5]
@@ -17,6 +18,7 @@ import platform
 import shutil
 import statistics
 import tempfile
+import time
 
 
 def build_model(hidden: int, layers: int, out: str) -> str:
@@ -44,7 +46,8 @@ async def main_async(args: argparse.Namespace) -> None:
     from rollout.engine import EngineSpec
     from rollout.engine_actor import start_engines
     from rollout.router import Router
-    from trainer.train.weight_sync import encode_state, push_weights
+    from rollout.weight_protocol import encode_state, expected_checksum
+    from trainer.train.weight_sync import send_prepared
 
     folder = tempfile.mkdtemp(prefix="push-bench-")
     try:
@@ -55,15 +58,17 @@ async def main_async(args: argparse.Namespace) -> None:
         engines = await start_engines(EngineSpec(model_path=path, max_model_len=1024,
                                                  kv_cache_memory_bytes=64 << 20, enforce_eager=True), 1)
         router = Router(engines)
-        results = []
+        results, encode = [], []
         for version in range(1, args.pushes + 1):
             state = {k: v + 0.001 for k, v in state.items()}
-            results.append(await push_weights(router, state, version))
+            start = time.monotonic()
+            blob, expected = encode_state(state), expected_checksum(state)
+            encode.append(time.monotonic() - start)
+            results.append(await send_prepared(router, blob, expected, version))
         ray.shutdown()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    total = [r.seconds for r in results]
-    encode = [r.encode_s for r in results]
+    total = [r.seconds + e for r, e in zip(results, encode)]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model hidden={args.hidden} "
           f"layers={args.layers}, {size_mb:.1f} MB fp32; {args.pushes} pushes to 1 engine")
     print(f"{'metric':<28} {'median':>10} {'max':>10}")

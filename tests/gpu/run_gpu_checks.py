@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402  (after the path fix: runs as a script)
+from buffer.batch import TrainBatch  # noqa: E402  (after the path fix: runs as a script)
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
@@ -235,7 +236,7 @@ def check_deepspeed(args, report: dict) -> None:
                                                gradient_checkpointing=True), folder,
                                    dtype="bfloat16", device="cuda")
         trajs = random_trajectories([1500, 900, 2000], shape["vocab_size"], seed=3)
-        result = backend.train_step(trajs, [1.0, -0.5, -0.5], LossConfig())
+        result = backend.train_step(TrainBatch(trajs, [1.0, -0.5, -0.5], backend.version), LossConfig())
     ok = bool(torch.isfinite(torch.tensor([result.loss, result.grad_norm])).all())
     report["checks"]["deepspeed"] = {"ok": ok, "detail": f"ZeRO-3 step: loss {result.loss:.4f}, "
                                      f"grad norm {result.grad_norm:.3f}"}

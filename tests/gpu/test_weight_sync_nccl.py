@@ -14,7 +14,8 @@ import torch
 
 from rollout.engine import EngineSpec, Sampling, VLLMEngine
 from rollout.router import Router
-from trainer.train.weight_sync import WeightSyncError, verify_engines
+from rollout.weight_protocol import expected_checksum
+from trainer.train.weight_sync import WeightSyncError, check_engines
 from trainer.train.weight_sync_nccl import BroadcastTransport, LocalSender
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
@@ -65,6 +66,6 @@ async def test_nccl_push_is_served_and_verified(router, tiny_model_path):
         assert np.abs(out.logprobs - ref).max() < 1e-3
         assert np.all(out.versions == version)
     with pytest.raises(WeightSyncError, match="serve other weights"):
-        await verify_engines(router, perturbed(model, 3), 2)
+        await check_engines(router, expected_checksum(perturbed(model, 3)), 2)
     with pytest.raises(WeightSyncError, match="report another version"):
-        await verify_engines(router, current, 5)
+        await check_engines(router, expected_checksum(current), 5)

@@ -17,6 +17,7 @@ import signal
 import numpy as np
 import torch
 
+from buffer.batch import TrainBatch
 from trainer.run.tiny_model import ensure_tiny_model
 from envs.types import NO_VERSION, Trajectory
 from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
@@ -67,7 +68,7 @@ def main() -> None:
         adv = adv + 0.01 * torch.randn(len(adv)).numpy()
         if state.step == args.kill_during_step:
             os.kill(os.getpid(), signal.SIGKILL)
-        result = backend.train_step(trajs, adv, LossConfig())
+        result = backend.train_step(TrainBatch(trajs, adv, backend.version), LossConfig())
         state.controller = dataclasses.replace(state.controller, version=backend.version,
                                                data_cursor=state.controller.data_cursor + 1)
         save_checkpoint(args.run_dir, backend, state, keep_last=2)

@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 import torch
 
+from buffer.batch import TrainBatch
 from envs.types import Trajectory
 from trainer.train.backends.logprobs import build_block_causal_mask, compute_token_logprobs_and_entropy
-from trainer.train.backends.packing import (build_micro_batches, pack_trajectories, unpack_responses,
-                                      unpack_sequences)
+from trainer.train.backends.packing import (build_micro_batches, pack_trajectories,
+                                            unpack_responses, unpack_sequences)
 from trainer.train.backends.policy_model import build_policy_model
 from trainer.train.config import LossConfig, TrainConfig
 from trainer.train.weight_sync_nccl import specs_of
@@ -188,7 +189,7 @@ def test_repeated_steps_raise_positive_and_lower_negative_logprobs(backend, traj
     pos_before = _mean_model_logprob(backend, batch, positive)
     gap_before = pos_before - _mean_model_logprob(backend, batch, negative)
     version = backend.version
-    losses = [backend.train_step(batch, advantages, LossConfig()).loss for _ in range(4)]
+    losses = [backend.train_step(TrainBatch(batch, advantages, backend.version), LossConfig()).loss for _ in range(4)]
     assert backend.version == version + 4
     assert losses[-1] < losses[0] - 0.05, losses
     pos_after = _mean_model_logprob(backend, batch, positive)
@@ -198,7 +199,7 @@ def test_repeated_steps_raise_positive_and_lower_negative_logprobs(backend, traj
 
 def test_first_minibatch_is_on_policy_and_proximal_stays_fixed(backend, trajectories):
     batch = with_behaviour(backend, trajectories)
-    result = backend.train_step(batch, [1.0, -0.5, 0.25, -1.0, 0.75, -0.25], LossConfig())
+    result = backend.train_step(TrainBatch(batch, [1.0, -0.5, 0.25, -1.0, 0.75, -0.25], backend.version), LossConfig())
     first, second = result.minibatch_metrics
     assert first.clip_frac == 0.0 and first.is_capped_frac == 0.0
     assert first.approx_kl < 1e-10 and first.mismatch_kl < 1e-10
@@ -222,8 +223,8 @@ def test_gradient_accumulation_equals_one_micro_batch(tiny_model_path, trajector
     advantages = [1.5, -0.5, 0.25, -1.0, 0.75, -1.0]
     results = []
     for _ in range(2):  # the second step starts from the accumulated update of the first
-        results.append((small.train_step(batch, advantages, LossConfig()),
-                        large.train_step(batch, advantages, LossConfig())))
+        results.append((small.train_step(TrainBatch(batch, advantages, small.version), LossConfig()),
+                        large.train_step(TrainBatch(batch, advantages, large.version), LossConfig())))
     for r_small, r_large in results:
         assert r_small.num_micro_batches == len(trajectories) and r_large.num_micro_batches == 1
         assert abs(r_small.loss - r_large.loss) < 1e-5
@@ -243,8 +244,8 @@ def test_every_zero_stage_trains_like_plain_torch_adamw(tiny_model_path, traject
     batch = with_behaviour(ds, trajectories, lambda i, n: 0.05 * (i + 1) * np.ones(n))
     advantages = [1.5, -0.5, 0.25, -1.0, 0.75, -1.0]
     for _ in range(2):
-        a = ds.train_step(batch, advantages, LossConfig())
-        b = plain.train_step(batch, advantages, LossConfig())
+        a = ds.train_step(TrainBatch(batch, advantages, ds.version), LossConfig())
+        b = plain.train_step(TrainBatch(batch, advantages, plain.version), LossConfig())
         assert abs(a.loss - b.loss) < 1e-5
         assert a.grad_norms == pytest.approx(b.grad_norms, rel=1e-5)
     assert max(a.grad_norms) > 1.0  # so clipping was exercised
@@ -261,7 +262,7 @@ def test_pushed_weights_are_updated_and_reproduce_backend_logprobs(
     from transformers import AutoModelForCausalLM
 
     backend = request.getfixturevalue(f"zero{stage}")
-    backend.train_step(with_behaviour(backend, trajectories[:4]), [1.0, -1.0, 0.5, -0.5],
+    backend.train_step(TrainBatch(with_behaviour(backend, trajectories[:4]), [1.0, -1.0, 0.5, -0.5], backend.version),
                        LossConfig())
     pushed = backend.state_dict_for_push()
     # What the broadcast push plans from without gathering: the gathered tensors' specs.
@@ -298,9 +299,8 @@ def run_two_rank_worker(out_dir: Path) -> None:
     trajs = build_trajectories(path)
     backend = DeepSpeedBackend(TrainConfig(zero_stage=3, **TWO_RANK_TRAIN), path)
     shard = SHARDS[rank]
-    results = [backend.train_step([trajs[i] for i in shard],
-                                  [TWO_RANK_ADVANTAGES[i] for i in shard], LossConfig())
-               for _ in range(2)]
+    mine = TrainBatch([trajs[i] for i in shard], [TWO_RANK_ADVANTAGES[i] for i in shard], 0)
+    results = [backend.train_step(mine, LossConfig()) for _ in range(2)]
     pushed = backend.state_dict_for_push()  # a collective under ZeRO-3: both ranks call it
     if rank == 0:
         torch.save(pushed, out_dir / "pushed.pt")
@@ -325,7 +325,8 @@ def test_two_ranks_with_uneven_shards_train_like_one_process(tiny_model_path, tr
 
     plain = TorchBackend(TrainConfig(**TWO_RANK_TRAIN), tiny_model_path)
     for k in range(2):
-        expected = plain.train_step(trajectories, TWO_RANK_ADVANTAGES, LossConfig()).grad_norm
+        batch = TrainBatch(trajectories, TWO_RANK_ADVANTAGES, plain.version)
+        expected = plain.train_step(batch, LossConfig()).grad_norm
         for rank in ranks:  # the global norm, identical on both ranks
             assert rank[k]["grad_norm"] == pytest.approx(expected, rel=1e-5)
     pushed = torch.load(tmp_path / "pushed.pt")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from buffer.batch import TrainBatch
 from envs.types import Trajectory
 from trainer.train.backends import build_backend
 from trainer.train.backends.packing import build_micro_batches, unpack_responses
@@ -69,8 +70,8 @@ def test_every_aggregation_is_exact_under_accumulation(tiny_model_path, trajecto
     batch = on_policy(small, trajectories)
     advantages = [1.0, -1.0, 0.5, -0.5, 2.0, -0.25, 0.1, -2.0]
     for _ in range(2):
-        a = small.train_step(batch, advantages, cfg_loss)
-        b = large.train_step(batch, advantages, cfg_loss)
+        a = small.train_step(TrainBatch(batch, advantages, small.version), cfg_loss)
+        b = large.train_step(TrainBatch(batch, advantages, large.version), cfg_loss)
         assert a.num_micro_batches > b.num_micro_batches == 2
         assert abs(a.loss - b.loss) < 1e-5
         assert abs(a.metrics.entropy - b.metrics.entropy) < 1e-5
@@ -93,8 +94,8 @@ def test_gradient_checkpointing_changes_nothing(tiny_model_path, trajectories):
     for key, backend in (("plain", plain), ("ckpt", ckpt)):
         mlp = backend.forward_model.model.layers[0].mlp
         mlp.forward = count_calls(mlp.forward, calls, key)
-    a = plain.train_step(batch, advantages, LossConfig())
-    b = ckpt.train_step(batch, advantages, LossConfig())
+    a = plain.train_step(TrainBatch(batch, advantages, plain.version), LossConfig())
+    b = ckpt.train_step(TrainBatch(batch, advantages, ckpt.version), LossConfig())
     assert calls["ckpt"] > calls["plain"]  # backward recomputed the layer: checkpointing is on
     assert abs(a.loss - b.loss) < 1e-6
     assert a.grad_norms == pytest.approx(b.grad_norms, rel=1e-5)
@@ -104,7 +105,8 @@ def test_learning_rate_warms_up_linearly(tiny_model_path, trajectories):
     backend = make(tiny_model_path, num_warmup_steps=4, num_minibatches=2)
     seen = [backend.current_lr]
     for _ in range(2):  # two optimizer steps per train_step
-        backend.train_step(trajectories, np.linspace(-1, 1, len(trajectories)), LossConfig())
+        advantages = np.linspace(-1, 1, len(trajectories))
+        backend.train_step(TrainBatch(trajectories, advantages, backend.version), LossConfig())
         seen.append(backend.current_lr)
     assert seen == pytest.approx([0.25e-3, 0.75e-3, 1e-3])
     assert backend.version == 2
@@ -112,10 +114,11 @@ def test_learning_rate_warms_up_linearly(tiny_model_path, trajectories):
 
 def test_user_mistakes_raise_with_the_fix(tiny_model_path, trajectories):
     backend = make(tiny_model_path)
-    with pytest.raises(ValueError, match="one advantage per trajectory"):
-        backend.train_step(trajectories, [1.0], LossConfig())
+    with pytest.raises(ValueError, match="trajectories but advantages of shape"):
+        backend.train_step(TrainBatch(trajectories, [1.0], backend.version), LossConfig())
     with pytest.raises(ValueError, match="kl_coef=0"):
-        backend.train_step(trajectories, np.zeros(len(trajectories)), LossConfig(kl_coef=0.1))
+        backend.train_step(TrainBatch(trajectories, np.zeros(len(trajectories)), backend.version),
+                           LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="num_minibatches"):
-        backend.train_step(trajectories[:1], [0.0], LossConfig())
+        backend.train_step(TrainBatch(trajectories[:1], [0.0], backend.version), LossConfig())
     assert backend.version == 0

@@ -12,6 +12,7 @@ import pytest
 from test_backend_deepspeed import (LR, deepspeed_env, make_backend, trajectories,  # noqa: F401
                                     with_behaviour)
 
+from buffer.batch import TrainBatch
 from trainer.train.config import LossConfig, TrainConfig
 
 
@@ -26,8 +27,8 @@ def test_chunked_zero_trains_like_unchunked_plain_torch(tiny_model_path, traject
     advantages = [1.5, -0.5, 0.25, -1.0, 0.75, -1.0]
     loss_cfg = LossConfig(entropy_coef=0.01)  # the entropy's gradient goes through the chunks too
     for _ in range(2):
-        a = chunked.train_step(batch, advantages, loss_cfg)
-        b = plain.train_step(batch, advantages, loss_cfg)
+        a = chunked.train_step(TrainBatch(batch, advantages, chunked.version), loss_cfg)
+        b = plain.train_step(TrainBatch(batch, advantages, plain.version), loss_cfg)
         assert abs(a.loss - b.loss) < 1e-5
         assert abs(a.metrics.entropy - b.metrics.entropy) < 1e-5
         assert a.grad_norms == pytest.approx(b.grad_norms, rel=1e-5)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout.engine import Sampling
-from rollout.weight_reload import checksum_tensors
+from rollout.weight_protocol import checksum_tensors
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

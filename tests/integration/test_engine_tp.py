@@ -19,7 +19,7 @@ import pytest
 from test_engine import PROMPT, _hf_logprobs, _perturbed_state, _safetensors_bytes
 
 from rollout.engine import EngineSpec, Sampling
-from rollout.weight_reload import checksum_tensors
+from rollout.weight_protocol import checksum_tensors
 
 SPEC = dict(max_model_len=1024, tp_size=2, kv_cache_memory_bytes=64 << 20, enforce_eager=True)
 

@@ -26,6 +26,7 @@ DEEPSPEED_CHECKPOINT = textwrap.dedent("""
     import numpy as np
     import torch
     from safetensors.torch import save_file
+    from buffer.batch import TrainBatch
     from buffer.replay_buffer import BufferState
     from envs.types import NO_VERSION, Trajectory
     from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
@@ -44,7 +45,7 @@ DEEPSPEED_CHECKPOINT = textwrap.dedent("""
         trajs.append(Trajectory("t", "g", i, rng.integers(3, 500, 6), rng.integers(3, 500, 16),
                                 mask, -rng.random(16) * 3, np.zeros(16, dtype=np.int64),
                                 "finished"))
-    backend.train_step(trajs, np.array([1.0, -1.0, 1.0, -1.0]), LossConfig())
+    backend.train_step(TrainBatch(trajs, np.array([1.0, -1.0, 1.0, -1.0]), backend.version), LossConfig())
     state = RunState(ControllerState(backend.version, 4, (), BufferState((), 0, 0, {}, 0, 0, {}), 1))
     save_checkpoint(sys.argv[1], backend, state, model_dir=ensure_tiny_model())
     save_file({k: v.contiguous() for k, v in backend.state_dict_for_push().items()}, sys.argv[2])

@@ -223,9 +223,9 @@ async def _hit_rate(router, engines, tokenizer, label):
 
 async def test_sticky_routing_beats_round_robin_on_prefix_cache_hits(cluster, tokenizer):
     engines = dict(cluster)
-    await Router(engines).reset_prefix_cache_all()
+    await asyncio.gather(*(e.reset_prefix_cache() for e in engines.values()))
     sticky = await _hit_rate(Router(engines), engines, tokenizer, "sticky")
-    await Router(engines).reset_prefix_cache_all()
+    await asyncio.gather(*(e.reset_prefix_cache() for e in engines.values()))
     round_robin = await _hit_rate(RoundRobinRouter(engines), engines, tokenizer, "rr")
     print(f"prefix-cache hit rate from vLLM counters: sticky {sticky:.3f}, round-robin {round_robin:.3f}")
     assert sticky > round_robin + 0.05  # 2 engines: round-robin lands on the right one half the time

@@ -21,16 +21,9 @@ import time
 import pytest
 import torch
 
-from rollout.weight_reload import (
-    BucketReceiver,
-    Deadline,
-    WeightGroupError,
-    join_weight_group,
-    checksum_tensors,
-    decode_plan,
-    encode_plan,
-    plan_state_buckets,
-)
+from rollout.weight_group import Deadline, WeightGroupError
+from rollout.weight_protocol import checksum_tensors, decode_plan, encode_plan, plan_state_buckets
+from rollout.weight_reload import BucketReceiver, join_weight_group
 from trainer.train.weight_sync_nccl import WeightSender
 
 pytestmark = pytest.mark.timeout(120)

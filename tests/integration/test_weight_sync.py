@@ -25,9 +25,9 @@ import torch
 from rollout.engine import EngineSpec, Sampling
 from rollout.router import Router
 from trainer.run.recipe import load_config
-from trainer.train.weight_sync import (WeightSyncError, checksum_names, push_weights, resolve_transport,
-                                 verify_engines)
-from trainer.train.weight_sync_nccl import BroadcastTransport, LocalSender, specs_of
+from rollout.weight_protocol import encode_state, expected_checksum, specs_of
+from trainer.train.weight_sync import WeightSyncError, check_engines, resolve_transport, send_prepared
+from trainer.train.weight_sync_nccl import BroadcastTransport, LocalSender
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = [1, 347, 201, 332, 284, 223, 20, 13, 21, 33, 2, 1, 349, 201]
@@ -61,12 +61,17 @@ async def assert_engines_serve(router, model):
     return out
 
 
+async def push_bytes(router, state, version):
+    """The CPU push as train rank 0 makes it (prepared bytes, then send and verify), from here."""
+    return await send_prepared(router, encode_state(state), expected_checksum(state), version)
+
+
 async def test_push_updates_every_engine_and_is_verified(router, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     state = perturbed(model, 1)
-    result = await push_weights(router, state, version=1)
+    result = await push_bytes(router, state, version=1)
     assert result.version == 1 and set(result.engines) == {"engine-0", "engine-1"}
     assert result.num_bytes > 2_000_000
     model.load_state_dict(state)
@@ -79,17 +84,17 @@ async def test_a_stale_or_different_engine_is_an_error(router, tiny_model_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     pushed, believed = perturbed(model, 2), perturbed(model, 3)
-    await push_weights(router, pushed, version=2)
+    await push_bytes(router, pushed, version=2)
     with pytest.raises(WeightSyncError, match="serve other weights"):
-        await verify_engines(router, believed, 2)
+        await check_engines(router, expected_checksum(believed), 2)
     with pytest.raises(WeightSyncError, match="report another version"):
-        await verify_engines(router, pushed, 5)
+        await check_engines(router, expected_checksum(pushed), 5)
 
 
 async def test_checksum_names_are_norm_weights(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
-    names = checksum_names(AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict())
+    names, _ = expected_checksum(AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict())
     assert 1 <= len(names) <= 4 and all(n.endswith("norm.weight") for n in names)
 
 
@@ -119,7 +124,7 @@ async def test_broadcast_push_loads_every_engine_and_is_verified(router, tiny_mo
     assert sum(1 for _ in current) > 1 and total > 1 << 20  # so there was more than one bucket
 
     with pytest.raises(WeightSyncError, match="serve other weights"):
-        await verify_engines(router, perturbed(model, 13), 4)
+        await check_engines(router, expected_checksum(perturbed(model, 13)), 4)
 
 
 class MisorderedWeights:
@@ -200,10 +205,6 @@ async def test_rank_zero_plans_sends_and_verifies_and_the_driver_moves_only_a_ve
     from trainer.train.train_actor import RayTrainer
     from trainer.train.weight_sync import build_transport
 
-    def no_state_on_the_driver(*args, **kwargs):
-        raise AssertionError("the broadcast push brought the weights to the driver")
-
-    monkeypatch.setattr(rank_zero, "state_dict_for_push", no_state_on_the_driver)
     sent_to_rank_zero: list[bytes] = []
     push_broadcast = rank_zero.push_broadcast
 

@@ -3,15 +3,13 @@ zero-variance groups and the broadcast onto model tokens."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from trainer.train.advantages import (broadcast_to_tokens, compute_batch_advantages,
-                                compute_grpo_advantages, is_zero_variance)
-from trainer.train.config import LossConfig
+from buffer.batch import is_zero_variance
+from trainer.train.advantages import broadcast_to_tokens, compute_grpo_advantages
 
 
 def rewards(*values: float) -> torch.Tensor:
@@ -86,15 +84,6 @@ def test_non_1d_rewards_are_rejected():
         compute_grpo_advantages(torch.zeros(2, 2), std_norm=True, leave_one_out=False, eps=1e-6)
     with pytest.raises(ValueError, match="non-empty 1-D"):
         is_zero_variance(torch.zeros(0))
-
-
-def test_batch_advantages_normalise_each_group_separately():
-    cfg = dataclasses.replace(LossConfig(), adv_std_norm=True, adv_leave_one_out=False, adv_eps=0.0)
-    adv = compute_batch_advantages([rewards(1, 0, 0, 1), rewards(2, 0, 1)], cfg)
-    assert adv.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0,
-                                          1.224744871391589, -1.224744871391589, 0.0], abs=1e-12)
-    with pytest.raises(ValueError, match="groups_per_step"):
-        compute_batch_advantages([], cfg)
 
 
 def test_broadcast_puts_the_advantage_on_model_tokens_only():

@@ -1,7 +1,9 @@
 """Architecture rules from DESIGN.md, checked on the source: packages are ranked and
 imports flow one way (envs <- reward <- rollout <- buffer <- trainer <- launch), with no
-exemption and no cycle; heavy frameworks are imported only inside the code that needs
-them, never at module top level, except in the thin Ray shells."""
+exemption and no cycle; inside trainer, the train side (trainer.train) never imports the
+run (trainer.run), and the run reaches the train side only through its entry points;
+heavy frameworks are imported only inside the code that needs them, never at module top
+level, except in the thin Ray shells."""
 
 from __future__ import annotations
 
@@ -13,6 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK = {"envs": 0, "reward": 1, "rollout": 2, "buffer": 3, "trainer": 4, "launch": 5}
 PACKAGES = tuple(RANK)
 HEAVY = {"ray", "vllm", "deepspeed", "wandb"}
+# Inside trainer: trainer.train (ranks, backends, loss, weight sending) is the lower half
+# and imports nothing else of trainer; trainer.run (the composition root, the controller)
+# imports trainer.train only through these modules, the train side's public face.
+TRAIN, RUN = "trainer.train", "trainer.run"
+TRAIN_ENTRY_POINTS = {f"{TRAIN}.config",  # its recipe sections, composed by trainer.run.config
+                      f"{TRAIN}.outcomes",  # what it reports through the controller's seam
+                      f"{TRAIN}.advantages",  # GRPO advantages, taken when a batch is made
+                      f"{TRAIN}.train_actor",  # the Ray shell: TrainGroup, RayTrainer
+                      f"{TRAIN}.weight_sync",  # the push transport the run picks from config
+                      f"{TRAIN}.backends"}  # the train.backend plug-in point, checked before start
 # Thin Ray shells may import ray at top level; list them here as they are added.
 TOP_LEVEL_HEAVY_ALLOWED: set[str] = {"rollout.engine_actor", "rollout.worker_actor", "trainer.train.train_actor",
                                      "envs.pool_actor"}
@@ -48,6 +60,41 @@ def package_graph() -> dict[str, set[str]]:
             if top in RANK and top != pkg:
                 graph[pkg].add(top)
     return graph
+
+
+def unit_of(module: str) -> str:
+    """The node of `module` in the printed graph: its top package, or trainer's subpackage."""
+    for sub in (TRAIN, RUN):
+        if module == sub or module.startswith(sub + "."):
+            return sub
+    return module.split(".")[0]
+
+
+def unit_graph() -> dict[str, set[str]]:
+    """package graph with trainer split into trainer.train, trainer.run and its top-level
+    modules (main, the CLI shims): what the README shows."""
+    graph: dict[str, set[str]] = {}
+    for name, tree in _modules().items():
+        unit = unit_of(name)
+        graph.setdefault(unit, set())
+        for imported in _imports(tree):
+            if imported.split(".")[0] in RANK and unit_of(imported) != unit:
+                graph[unit].add(unit_of(imported))
+    return graph
+
+
+def test_the_train_side_never_imports_the_run():
+    bad = [f"{name} imports {imported}" for name, tree in _modules().items()
+           if unit_of(name) == TRAIN for imported in _imports(tree)
+           if imported.split(".")[0] == "trainer" and unit_of(imported) != TRAIN]
+    assert bad == []
+
+
+def test_the_run_reaches_the_train_side_only_through_its_entry_points():
+    bad = [f"{name} imports {imported}" for name, tree in _modules().items()
+           if unit_of(name) == RUN for imported in _imports(tree)
+           if unit_of(imported) == TRAIN and imported not in TRAIN_ENTRY_POINTS]
+    assert bad == []
 
 
 def test_imports_flow_down_the_ranks():
@@ -98,9 +145,13 @@ def test_every_module_opens_with_a_docstring():
     assert missing == []
 
 
+def _order(unit: str) -> tuple[int, int]:
+    return RANK[unit.split(".")[0]], {TRAIN: 0, RUN: 1}.get(unit, 2)
+
+
 if __name__ == "__main__":  # the import graph, for the README and review: python tests/unit/test_layering.py
-    for pkg, deps in sorted(package_graph().items(), key=lambda kv: RANK[kv[0]]):
-        print(f"{pkg:8s} -> {', '.join(sorted(deps, key=RANK.get)) or '(nothing)'}")
+    for unit, deps in sorted(unit_graph().items(), key=lambda kv: _order(kv[0])):
+        print(f"{unit:13s} -> {', '.join(sorted(deps, key=_order)) or '(nothing)'}")
 
 
 def test_test_modules_have_unique_names():

@@ -47,6 +47,8 @@ class FakeEngine:
         self.paused = False
 
     async def update_weights(self, version, blob=None, path=None):
+        if self.dead:
+            raise EngineDeadError(self.name)
         self.version = version
 
     async def reset_prefix_cache(self):
@@ -121,8 +123,8 @@ async def test_control_calls_fan_out_and_drop_dead_engines():
     await router.update_weights_all(3)
     assert a.version == b.version == 3
     b.dead = True
-    await router.pause_all()
-    assert a.paused and router.stats().engines == ("a",)
+    await router.update_weights_all(4)
+    assert a.version == 4 and router.stats().engines == ("a",)
     assert set(await router.engine_stats()) == {"a"}
 
 

@@ -32,7 +32,7 @@ from trainer.run.config import SluiceConfig
 from trainer.run.seams import RolloutSide, TrainerSide
 from trainer.run.controller import Controller, EnvMetrics, RunSummary
 from trainer.run.metrics import (ConsoleSink, EventSink, JsonlSink, MetricsLogger, MetricsSink,
-                             TranscriptSink, WandbSink)
+                                 TranscriptSink, WandbSink)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -195,7 +195,8 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
         try:
             result = fn(*args)
         except BaseException as exc:  # handed to the waiting coroutine
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            # bound now: the name `exc` is unbound once this clause ends
+            loop.call_soon_threadsafe(lambda err=exc: future.done() or future.set_exception(err))
         else:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 
@@ -226,7 +227,7 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
     from rollout.worker_actor import RayRollout, start_agent_workers
     from trainer.run.pools import build_pools, connect_cluster
     from trainer.train.train_actor import RayTrainer, TrainGroup
-    from trainer.train.weight_sync import build_transport, resolve_transport
+    from trainer.train.weight_sync import build_transport
 
     connect_cluster(cfg)
     placed = build_pools(cfg)
@@ -240,8 +241,8 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
                                   sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
     router = Router(engines)
     group = TrainGroup(cfg, model_path, placed["train"])
-    # cpu: rank 0 sends to the engines itself; nccl: the broadcast transport
-    transport = None if resolve_transport(cfg) == "cpu" else build_transport(cfg, sender=group)
+    # cpu (None): rank 0 sends the prepared bytes itself; nccl, gloo: the broadcast transport
+    transport = build_transport(cfg, sender=group)
     rollout = RayRollout(workers, router)
     pool_metrics = PoolMetrics()
 

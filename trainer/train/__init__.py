@@ -5,6 +5,7 @@ logprobs, the step), the loss and GRPO advantages, sending weights to the engine
 
 It never imports `trainer.run`: what it reads of a recipe is `config.TrainRecipe`, and
 what it reports is `outcomes`. The run imports it only through its entry points
-`config`, `outcomes`, `advantages`, `train_actor` and `weight_sync`
-(tests/unit/test_layering.py).
+`config`, `outcomes`, `advantages`, `train_actor`, `weight_sync` and `backends` (the
+train.backend plug-in point) (tests/unit/test_layering.py). What a weight push sends is
+`rollout.weight_protocol`, which the receiving engines share.
 """

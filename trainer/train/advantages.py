@@ -4,12 +4,9 @@ trajectory's model tokens. Plain torch; no Ray, no engine."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
-from buffer.batch import is_zero_variance  # noqa: F401  (one check, shared with the buffer)
 from envs.types import Group
 from trainer.train.config import LossConfig
 
@@ -45,15 +42,6 @@ def compute_grpo_advantages(rewards_G: torch.Tensor, std_norm: bool, leave_one_o
     if std_norm:
         centred_G = centred_G / (r_G.std(correction=0) + eps)
     return centred_G
-
-
-def compute_batch_advantages(rewards_per_group: Sequence[torch.Tensor],
-                             cfg: LossConfig) -> torch.Tensor:
-    """Advantages of several groups, normalised per group, concatenated in order (shape B)."""
-    if not rewards_per_group:
-        raise ValueError("no groups given; a training step needs train.groups_per_step >= 1")
-    return torch.cat([compute_grpo_advantages(r_G, cfg.adv_std_norm, cfg.adv_leave_one_out,
-                                              cfg.adv_eps) for r_G in rewards_per_group])
 
 
 def compute_group_advantages(group: Group, cfg: LossConfig) -> np.ndarray:

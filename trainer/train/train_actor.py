@@ -12,12 +12,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffer.batch import TrainBatch
-from envs.types import Trajectory
 from rollout.router import Router
 from trainer.train.config import TrainRecipe
 from trainer.train.outcomes import PushOutcome, TrainOutcome
@@ -47,17 +45,14 @@ class TrainRankActor:
                                      config_overrides=overrides)
         self.pusher: Any = None  # rank 0's BroadcastPusher (the weight group) once it pushed
 
-    def train_step(self, trajectories: list[Trajectory], advantages: np.ndarray) -> Any:
-        return self.backend.train_step(trajectories, advantages, self.cfg.loss)
-
-    def state_dict_for_push(self) -> dict:
-        return self.backend.state_dict_for_push()
+    def train_step(self, shard: TrainBatch) -> Any:
+        return self.backend.train_step(shard, self.cfg.loss)
 
     def prepare_push(self, version: int) -> int:
         """Every rank: gather the weights (a collective under ZeRO-3). Rank 0 keeps them,
         encoded, with their checksum, for `send_push`; it returns the bytes prepared. Runs
         while rollout goes on: only the send needs the turn gates closed."""
-        from trainer.train.weight_sync import encode_state, expected_checksum
+        from rollout.weight_protocol import encode_state, expected_checksum
 
         state = self.backend.state_dict_for_push()
         if self.rank != 0:
@@ -130,7 +125,7 @@ class BackendWeights:
         self.backend = backend
 
     def specs(self) -> list:
-        from trainer.train.weight_sync_nccl import specs_of
+        from rollout.weight_protocol import specs_of
 
         push_specs = getattr(self.backend, "push_specs", None)
         return push_specs() if push_specs is not None else specs_of(self.backend.state_dict_for_push())
@@ -164,15 +159,11 @@ class TrainGroup:
     async def train_step(self, batch: TrainBatch) -> Any:
         """Returns rank 0's StepResult; every rank trains on its shard (balanced by tokens:
         the step takes as long as its heaviest shard)."""
-        refs = [rank.train_step.remote(list(shard.trajectories), shard.advantages)
+        refs = [rank.train_step.remote(shard)
                 for rank, shard in zip(self.ranks, batch.shards(len(self.ranks)))]
         results = await asyncio.gather(*refs)
         self.version += 1
         return results[0]
-
-    async def state_dict_for_push(self) -> dict:
-        refs = [rank.state_dict_for_push.remote() for rank in self.ranks]
-        return (await asyncio.gather(*refs))[0]  # a collective on every rank; rank 0's copy
 
     async def push_broadcast(self, version: int, engines: Mapping[str, Any], verify: bool) -> Any:
         """trainer.train.weight_sync_nccl.WeightSenderClient: rank 0 pushes `version` to `engines`

@@ -10,7 +10,7 @@ host and port to the engines over the Ray control calls. Each push sends the buc
 `sync.bucket_mb` buffer at a time.
 
 Failures. Every broadcast is bounded inside the process that runs it (rank 0 and each
-engine worker: `rollout.weight_reload.bounded_broadcast`); a failed or late one aborts
+engine worker: `rollout.weight_group.bounded_broadcast`); a failed or late one aborts
 that process's communicator. Rank 0 then reports which engines did not take the version
 and whether they are gone (dead, or no answer in time); the driver removes those from the
 router and asks again, and rank 0 forms a new group (new rendezvous, smaller world) with
@@ -31,29 +31,17 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rollout.router import Router, is_engine_failure
-from rollout.weight_reload import (
-    AbortFlag,
-    Bucket,
-    CommBackend,
-    Deadline,
-    WeightCommunicator,
-    WeightGroupError,
-    abort_quietly,
-    bounded_broadcast,
-    build_store,
-    build_weight_communicator,
-    checksum_tensors,
-    dtype_name,
-    encode_plan,
-    pack_bucket,
-    plan_buckets,
-)
-from trainer.train.weight_sync import PushResult, WeightSyncError, check_engines, choose_checksum_names
+from rollout.weight_group import (AbortFlag, CommBackend, Deadline, WeightCommunicator,
+                                  WeightGroupError, abort_quietly, bounded_broadcast, build_store,
+                                  build_weight_communicator)
+from rollout.weight_protocol import (Bucket, TensorSpec, checksum_tensors, choose_checksum_names,
+                                     encode_plan, pack_bucket, plan_buckets, specs_of)
+from trainer.train.weight_sync import PushResult, WeightSyncError, check_engines
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # pushes of one version before the run stops: each removes the engines gone
-TensorSpec = tuple[str, tuple[int, ...], str, int]  # name, full shape, dtype name, element size
 
 
 def open_listen_socket(host: str) -> socket.socket:
@@ -88,10 +75,6 @@ def grace_s(timeout_s: float) -> float:
     """How long past its in-process deadline a process may take to report back (abort,
     Ray's reply) before the caller stops waiting for it."""
     return 10.0 + 0.1 * timeout_s
-
-
-def specs_of(state: Mapping[str, Any]) -> list[TensorSpec]:
-    return [(name, tuple(t.shape), dtype_name(t.dtype), t.element_size()) for name, t in state.items()]
 
 
 class WeightSource(Protocol):

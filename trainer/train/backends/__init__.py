@@ -18,7 +18,7 @@ from envs.plugins import PluginPoint, signature_problem
 if TYPE_CHECKING:
     import torch
 
-    from envs.types import Trajectory
+    from buffer.batch import TrainBatch
     from trainer.train.backends.packing import PackedBatch
     from trainer.train.backends.step import StepResult
     from trainer.train.config import LossConfig, TrainConfig
@@ -37,8 +37,7 @@ class TrainBackend(Protocol):
 
     def compute_proximal_logprobs(self, batches: Sequence[PackedBatch]) -> list[torch.Tensor]: ...
 
-    def train_step(self, trajectories: Sequence[Trajectory], advantages_per_traj: Any,
-                   cfg_loss: LossConfig) -> StepResult: ...
+    def train_step(self, batch: TrainBatch, cfg_loss: LossConfig) -> StepResult: ...
 
     def state_dict_for_push(self) -> dict[str, torch.Tensor]: ...
 

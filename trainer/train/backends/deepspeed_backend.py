@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from envs.types import Trajectory
+from buffer.batch import TrainBatch
 from trainer.train.backends.packing import PackedBatch
-from trainer.train.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
-                                           resolve_dtype, weight_specs)
-from trainer.train.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
-                                   compute_warmup_factor, run_train_step)
+from trainer.train.backends.policy_model import (build_policy_model, iter_weight_names,
+                                                 resolve_device, resolve_dtype, weight_specs)
+from trainer.train.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult,
+                                         compute_proximal_logprobs, compute_warmup_factor,
+                                         run_train_step)
 from trainer.train.config import LossConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -163,12 +164,11 @@ class DeepSpeedBackend:
         return compute_proximal_logprobs(self, batches, self._temperature,
                                          self._cfg.logprob_chunk_tokens)
 
-    def train_step(self, trajectories: Sequence[Trajectory], advantages_per_traj: Any,
-                   cfg_loss: LossConfig) -> StepResult:
-        """One policy version: `train.num_minibatches` optimizer steps over these trajectories
-        (this rank's share), with proximal logprobs computed once before the first."""
-        result = run_train_step(self, trajectories, torch.as_tensor(advantages_per_traj),
-                                self._cfg, cfg_loss, self._temperature, self._version + 1)
+    def train_step(self, batch: TrainBatch, cfg_loss: LossConfig) -> StepResult:
+        """One policy version: `train.num_minibatches` optimizer steps over `batch` (this
+        rank's shard), with proximal logprobs computed once before the first."""
+        result = run_train_step(self, batch, self._cfg, cfg_loss, self._temperature,
+                                self._version + 1)
         self._version += 1
         return result
 

@@ -23,10 +23,10 @@ from typing import Protocol
 
 import torch
 
-from envs.types import Trajectory
+from buffer.batch import TrainBatch
 from trainer.train.backends.logprobs import compute_token_logprobs_and_entropy
 from trainer.train.backends.packing import (PackedBatch, build_micro_batches, split_minibatches,
-                                      unpack_to_rows)
+                                            unpack_to_rows)
 from trainer.train.config import LossConfig, TrainConfig
 from trainer.train.loss import LossMetrics, compute_policy_loss
 
@@ -171,11 +171,7 @@ def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
         sum_norm_tokens=sum_norm_tokens)
 
 
-def _check_step_inputs(trajectories: Sequence[Trajectory], advantages_B: torch.Tensor,
-                       cfg_loss: LossConfig) -> None:
-    if len(trajectories) != advantages_B.shape[0]:
-        raise ValueError(f"{advantages_B.shape[0]} advantages for {len(trajectories)} "
-                         f"trajectories; pass one advantage per trajectory")
+def _check_step_inputs(cfg_loss: LossConfig) -> None:
     if cfg_loss.kl_coef > 0:
         raise ValueError("loss.kl_coef > 0 needs a reference model, which the training "
                          "backends do not host yet; set loss.kl_coef=0")
@@ -204,13 +200,14 @@ def _train_minibatch(ops: StepOps, batches: list[PackedBatch], proximal: list[to
     return compute_combined_metrics(parts[:num_real], local), grad_norm
 
 
-def run_train_step(ops: StepOps, trajectories: Sequence[Trajectory], advantages_B: torch.Tensor,
-                   cfg_train: TrainConfig, cfg_loss: LossConfig, temperature: float,
-                   version_after: int) -> StepResult:
-    """Pack, compute proximal logprobs once, then one optimizer step per minibatch."""
+def run_train_step(ops: StepOps, batch: TrainBatch, cfg_train: TrainConfig,
+                   cfg_loss: LossConfig, temperature: float, version_after: int) -> StepResult:
+    """Pack `batch` (this rank's shard: one advantage per trajectory, checked by
+    TrainBatch), compute proximal logprobs once, then one optimizer step per minibatch."""
     start = time.perf_counter()
-    advantages_B = torch.as_tensor(advantages_B, dtype=torch.float32).reshape(-1)
-    _check_step_inputs(trajectories, advantages_B, cfg_loss)
+    trajectories = batch.trajectories
+    advantages_B = torch.as_tensor(batch.advantages, dtype=torch.float32)
+    _check_step_inputs(cfg_loss)
     minibatches = []
     for idx in split_minibatches(len(trajectories), cfg_train.num_minibatches):
         minibatches.append(build_micro_batches([trajectories[i] for i in idx], advantages_B[idx],

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from envs.types import Trajectory
+from buffer.batch import TrainBatch
 from trainer.train.backends.packing import PackedBatch
-from trainer.train.backends.policy_model import (build_policy_model, iter_weight_names, resolve_device,
-                                           resolve_dtype, weight_specs)
-from trainer.train.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult, compute_proximal_logprobs,
-                                   compute_warmup_factor, run_train_step)
+from trainer.train.backends.policy_model import (build_policy_model, iter_weight_names,
+                                                 resolve_device, resolve_dtype, weight_specs)
+from trainer.train.backends.step import (ADAM_BETAS, ADAM_EPS, StepResult,
+                                         compute_proximal_logprobs, compute_warmup_factor,
+                                         run_train_step)
 from trainer.train.config import LossConfig, TrainConfig
 
 
@@ -76,11 +77,10 @@ class TorchBackend:
         return compute_proximal_logprobs(self, batches, self._temperature,
                                          self._cfg.logprob_chunk_tokens)
 
-    def train_step(self, trajectories: Sequence[Trajectory], advantages_per_traj: Any,
-                   cfg_loss: LossConfig) -> StepResult:
+    def train_step(self, batch: TrainBatch, cfg_loss: LossConfig) -> StepResult:
         """One policy version; see DeepSpeedBackend.train_step."""
-        result = run_train_step(self, trajectories, torch.as_tensor(advantages_per_traj),
-                                self._cfg, cfg_loss, self._temperature, self._version + 1)
+        result = run_train_step(self, batch, self._cfg, cfg_loss, self._temperature,
+                                self._version + 1)
         self._version += 1
         return result
 
