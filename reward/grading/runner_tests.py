@@ -26,8 +26,10 @@ runner's stream.
 What remains: code that reads the test files sees the groups but not which member is
 real (names and values are drawn alike), so a forgery that must pass the originals and
 fail the copies guesses right with 1/(k+1) per group; none are planted where the command
-names single tests (renaming would deselect them), and only methods of TestCase classes
-are copied (a sympy-style runner's test functions get none).
+names single tests (renaming would deselect them) or in a file whose test class another
+test class derives from (renaming would rename the inherited tests), and only methods of
+TestCase classes are copied (a sympy-style runner's test functions get none); tests in
+other modules that inherit from an expected module's classes are not looked for.
 """
 
 from __future__ import annotations
@@ -163,7 +165,9 @@ def plant_runner_sentinels(task: Task, dest: str, rng: random.Random) -> Planted
                           for i in (*task.fail_to_pass, *task.pass_to_pass)
                           if unittest_key(i) is not None):
         return Planted()
-    paths = {path: module for module, path in modules.items()}
+    paths = _without_base_classes(dest, {path: module for module, path in modules.items()})
+    if not paths:
+        return Planted()
     preferred = frozenset(f"{modules[m]}::{c}::{n}" for m, c, n in
                           map(_parts, task.fail_to_pass) if m in modules)
     seen = {path: text for path in paths if (text := _text(task.source_dir, path)) is not None}
@@ -206,6 +210,26 @@ def _test_modules(task: Task, dest: str) -> dict[str, str]:
         if matches:
             found[module] = matches[0]
     return found
+
+
+def _without_base_classes(dest: str, paths: dict[str, str]) -> dict[str, str]:
+    """`paths` less the files defining a class another test class derives from: renaming
+    its test (beside its sentinels) would rename the inherited tests too, under ids the
+    row does not know."""
+    defined: dict[str, set[str]] = {}
+    bases: set[str] = set()
+    for path in paths:
+        try:
+            with open(os.path.join(dest, path), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            defined[path] = set()
+            continue
+        classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+        defined[path] = {c.name for c in classes}
+        bases |= {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")
+                  for c in classes for b in c.bases}
+    return {p: m for p, m in paths.items() if not defined[p] & bases}
 
 
 def _python_files(dest: str) -> list[str]:

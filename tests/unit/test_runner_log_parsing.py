@@ -99,6 +99,54 @@ def test_honest_runs_read_right_with_no_finding(tmp_path: Path) -> None:
     assert all(o is Outcome.PASSED for o in statuses.values()), statuses
 
 
+# The shapes real runners print beyond the sample above: Python before 3.11 (short
+# descriptions, no UNEXPECTED SUCCESS list), django's preamble and its own count.
+OLD_PYTHON_LOG = """test_a (app.tests.T) ... ok
+test_b (app.tests.T) ... FAIL
+test_u (app.tests.T) ... unexpected success
+
+======================================================================
+FAIL: test_b (app.tests.T)
+----------------------------------------------------------------------
+Traceback (most recent call last):
+AssertionError: 1 != 2
+
+----------------------------------------------------------------------
+Ran 3 tests in 0.001s
+
+FAILED (failures=1, unexpected successes=1)
+"""
+DJANGO_LOG = """Testing against Django installed in '/testbed/django'
+Importing application text
+Found 2 test(s).
+Operations to perform:
+  Apply all migrations: admin
+Running migrations:
+  Applying admin.0001_initial... OK
+System check identified no issues (0 silenced).
+test_a (app.tests.T.test_a) ... ok
+test_b (app.tests.T.test_b) ... Internal Server Error: /x/
+ok
+
+----------------------------------------------------------------------
+Ran 2 tests in 0.010s
+
+OK
+Destroying test database for alias 'default'...
+"""
+
+
+def test_older_pythons_and_djangos_preamble_read_clean() -> None:
+    old = read_unittest_log(OLD_PYTHON_LOG)
+    assert (old.output_problems, old.totals_problems, old.failed) == ((), (), True)
+    assert old.statuses["test_u (app.tests.T)"] is Outcome.FAILED
+    django = read_unittest_log(DJANGO_LOG)
+    assert (django.output_problems, django.totals_problems, django.failed) == ((), (), False)
+    assert django.statuses["test_b (app.tests.T)"] is Outcome.PASSED
+    miscounted = read_unittest_log(DJANGO_LOG.replace("Found 2", "Found 3"))
+    assert miscounted.totals_problems and not miscounted.output_problems
+
+
 def test_both_description_forms_read_as_one_test() -> None:
     assert unittest_key("test_a (app.tests.T.test_a)") == unittest_key("test_a (app.tests.T)") \
         == "test_a (app.tests.T)"
@@ -216,3 +264,12 @@ def test_runner_files_are_the_scripts_the_command_runs(tmp_path: Path) -> None:
     assert files_of("python -m pkg.testing.runtests -v; echo done") >= {
         "pkg/testing/runtests.py"}
     assert files_of("/usr/bin/python3 /workspace/bin/test") >= {"bin/test", "bin/get_pkg.py"}
+
+
+def test_no_sentinels_where_a_test_class_is_inherited(tmp_path: Path) -> None:
+    """Renaming a test of a base class would rename every subclass's copy of it."""
+    (tmp_path / "test_lib.py").write_text(TESTS + "\n\nclass MoreTests(DoubleTests):\n    pass\n")
+    planted = plant_runner_sentinels(task_in(tmp_path), str(tmp_path), random.Random(1))
+    assert planted == Planted()
+    (tmp_path / "test_lib.py").write_text(TESTS)
+    assert plant_runner_sentinels(task_in(tmp_path), str(tmp_path), random.Random(1)).sentinels
