@@ -242,7 +242,9 @@ def _pytest_section(name: str, data: bytes | None) -> object:
 # written (`os._exit`, also via `from os import _exit` or `getattr(os, "_ex" + "it")`),
 # `import:<module>`, text the code's string literals contain (`str:`), or a feature kind
 # of code_features: `attr:` (an attribute read by that name), `assign:` (one written),
-# `call:` / `raise:` (a builtin called or raised), `coding:` (a declared source encoding),
+# `call:` / `raise:` (a builtin called or raised), `import-exit:` (the process ended while
+# the module is imported: not under `if __name__ == "__main__"`, not in a function),
+# `coding:` (a declared source encoding),
 # `dyncode:` / `dynattr:` / `dynimport` (code or names computed at run time),
 # `alwayseq:` and `runnertext:`.
 _CODE_SIGNS: Mapping[str, tuple[str, ...]] = {
@@ -254,8 +256,7 @@ _CODE_SIGNS: Mapping[str, tuple[str, ...]] = {
                          "str:wasSuccessful", "str:addFailure"),
     "exit_handler": ("import:atexit", "os._exit", "os.abort", "os.kill", "os.killpg",
                      "signal.signal", "signal.alarm", "signal.setitimer", "sys.excepthook",
-                     "threading.excepthook", "faulthandler.register", "sys.exit",
-                     "raise:SystemExit", "call:exit", "call:quit", "call:SystemExit"),
+                     "threading.excepthook", "faulthandler.register", "import-exit:"),
     "argv_environ": ("sys.argv", "sys.orig_argv", "os.environ", "os.environb", "os.getenv",
                      "os.getenvb", "os.putenv", "str:/proc/self/cmdline",
                      "str:/proc/self/environ", "str:--junitxml"),
@@ -270,7 +271,7 @@ _CODE_SIGNS: Mapping[str, tuple[str, ...]] = {
                          "attr:tb_next", "attr:f_back", "attr:f_locals", "attr:f_globals",
                          "attr:gi_frame", "attr:cr_frame", "attr:__traceback__",
                          "assign:__code__", "assign:__globals__", "assign:__class__",
-                         "types.CodeType", "types.FunctionType"),
+                         "assign:co_code", "call:types.CodeType", "call:types.FunctionType"),
     "dynamic_code": ("coding:", "dyncode:", "marshal.loads", "import:marshal"),
     "dynamic_access": ("dynattr:", "dynimport"),
     "always_equal": ("alwayseq:",),
@@ -391,7 +392,32 @@ def code_features(source: bytes) -> frozenset[str]:
             found.add("__builtins__")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             strings.append(node.value)
-    return frozenset(found | _string_features(strings))
+    return frozenset(found | _string_features(strings) | _import_time_exits(tree, aliases))
+
+
+# What ends the process (`sys.exit(0)`, `raise SystemExit`, `exit()`, `os._exit`).
+_EXITS = frozenset({"sys.exit", "exit", "quit", "os._exit", "SystemExit"})
+
+
+def _import_time_exits(tree: ast.Module, aliases: dict[str, str]) -> set[str]:
+    """`import-exit:<what>` for a process exit in the module's own top-level code (run
+    on import, so before any test: what a forged run that stops early looks like); a
+    command-line entry point's exit (in a function, under `if __name__ == "__main__"`)
+    is ordinary."""
+    found = set()
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or (
+                isinstance(stmt, ast.If) and "__main__" in ast.unparse(stmt.test)):
+            continue
+        for node in ast.walk(stmt):
+            target = node.exc if isinstance(node, ast.Raise) else node
+            if isinstance(target, ast.Call):
+                target = target.func
+            name = (_dotted(target, aliases) if isinstance(target, ast.Attribute) else
+                    aliases.get(target.id, target.id) if isinstance(target, ast.Name) else None)
+            if name in _EXITS and isinstance(node, (ast.Call, ast.Raise)):
+                found.add(f"import-exit:{name}")
+    return found
 
 
 def _call_features(call: ast.Call, aliases: dict[str, str]) -> set[str]:
@@ -425,6 +451,11 @@ def _call_features(call: ast.Call, aliases: dict[str, str]) -> set[str]:
         found.add(f"dyncode:{name}")
     elif name in ("exit", "quit", "SystemExit") and name not in aliases:
         found.add(f"call:{name}")
+    dotted = _dotted(func, aliases) if isinstance(func, ast.Attribute) else None
+    if dotted in ("types.CodeType", "types.FunctionType"):
+        found.add(f"call:{dotted}")  # a code object or function built, not an isinstance
+    if any(k.arg == "co_code" for k in call.keywords):
+        found.add("assign:co_code")
     elif isinstance(func, ast.Attribute) and func.attr == "get" and call.args:
         found |= _lookup_features(ast.Subscript(value=func.value, slice=call.args[0]), aliases)
     if _is_write(func) and call.args and isinstance(call.args[0], ast.Constant) and \
