@@ -82,10 +82,11 @@ class PluginPoint:
         return obj
 
     def _known(self, value: str) -> str:
-        """The message tail: the closest built-in names and what the key takes."""
+        """The message tail: the closest built-in (name or import string) and what the key
+        takes."""
         close = difflib.get_close_matches(value, [*self.builtins, *self.builtins.values()],
-                                          n=2, cutoff=0.6)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+                                          n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         listed = f"a built-in ({', '.join(self.builtins)}) or " if self.builtins else ""
         return f"{hint}; {self.key} takes {listed}an import string 'package.module:Class'"
 

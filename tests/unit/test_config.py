@@ -86,10 +86,20 @@ def test_type_errors_name_the_key_and_type(override, expected):
     ("rollout.temperature=0", "rollout.temperature"),
     ("envs.num_warm_sandboxes=1000", "envs.num_warm_sandboxes"),
     ("reward.fn=reward.judge:GenerativeJudge", "reward.judge.enabled"),
+    ("train.backend=deepspeeed", "train.backend"),
+    ("envs.sandbox_backend=lcal", "envs.sandbox_backend"),
+    ("envs.tools.x=not.an.import.string", "envs.tools.x"),
 ])
 def test_cross_field_checks_name_the_key_to_change(override, key):
     with pytest.raises(ValueError, match=f"^{key}: "):
         load_config("quickstart.yaml", [override])
+
+
+def test_the_schema_names_no_toy_and_requires_what_a_run_needs():
+    cfg = SluiceConfig()
+    assert (cfg.model.path, cfg.envs.tasks, cfg.reward.judge.model_path) == ("", "", "")
+    with pytest.raises(ValueError, match="^reward.judge.model_path: is required"):
+        load_config("quickstart.yaml", ["reward.judge.enabled=true", "reward.judge.model_path=''"])
 
 
 def test_bad_override_syntax_and_missing_recipe():

@@ -230,6 +230,12 @@ def test_user_plugins_that_keep_the_protocols_pass(tmp_path, user_package):
     ("tool", "userpkg.plugins:ToolWithoutEnv", "ToolWithoutEnv() must accept (env) (tools are "
                                                "built as cls(env))"),
     ("reward fn", "no_such_builtin", "is neither a built-in nor an import string"),
+    ("reward fn", "exact_mach", "did you mean 'exact_match'?; reward.fn (or a task's reward_fn) "
+                                "takes a built-in (exact_match, "),
+    ("train backend", "userpkg.plugins:GoodLoop", "GoodLoop lacks compute_proximal_logprobs"),
+    ("train backend", "deepspeeed", "did you mean 'deepspeed'?; train.backend takes a built-in"),
+    ("sandbox backend", "userpkg.plugins:GoodLoop", "needs `async def create(cls, spec)`"),
+    ("warm start", "userpkg.plugins:GoodReward", "() must accept (base_model_dir, cfg)"),
 ])
 def test_plugins_that_break_their_protocol_are_named(user_package, kind, value, expected):
     problem = check_plugin(kind, value, name="x")
