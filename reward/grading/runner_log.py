@@ -56,8 +56,10 @@ _FOUND = re.compile(r"^Found (?P<n>\d+) test\(s\)\.$")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
 _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
 _FIXTURES = frozenset({"setUpClass", "tearDownClass", "setUpModule", "tearDownModule"})
+# An expected failure is no pass (swebench's django parser does not count it as one; code
+# that marks a failing test as expected to fail gains nothing).
 _OUTCOMES = {"ok": Outcome.PASSED, "FAIL": Outcome.FAILED, "ERROR": Outcome.ERROR,
-             "expected failure": Outcome.PASSED, "unexpected success": Outcome.FAILED}
+             "expected failure": Outcome.SKIPPED, "unexpected success": Outcome.FAILED}
 _INFO_KEYS = ("failures", "errors", "skipped", "expected failures", "unexpected successes")
 
 
@@ -256,11 +258,14 @@ def _verdict(reader: _Reader, found_line: bool) -> RunnerLog:
         reported[(_flavour(status), key)] += 1
     for alias, key in reader.aliases.items():
         statuses.setdefault(alias, statuses[key])
-    headers = Counter(reader.headers)
-    listed = Counter({k: n for k, n in reported.items() if k[0] in ("FAIL", "ERROR",
-                                                                    "UNEXPECTED SUCCESS")})
+    # Every FAIL/ERROR status has its header and the other way round; unexpected
+    # successes are listed only from Python 3.11 on, so a listed one needs its status.
+    headers = Counter(h for h in reader.headers if h[0] != "UNEXPECTED SUCCESS")
+    listed = Counter({k: n for k, n in reported.items() if k[0] in ("FAIL", "ERROR")})
+    unexpected = Counter(h for h in reader.headers if h[0] == "UNEXPECTED SUCCESS")
     output = list(reader.output)
-    unmatched = sorted({f"{f}: {k}" for f, k in (headers - listed) + (listed - headers)})
+    unmatched = sorted({f"{f}: {k}" for f, k in
+                        (headers - listed) + (listed - headers) + (unexpected - reported)})
     if unmatched:
         output.append(f"failure headers and status lines disagree: {unmatched[:MAX_NAMED]}")
     totals = list(reader.totals)

@@ -273,3 +273,32 @@ def test_no_sentinels_where_a_test_class_is_inherited(tmp_path: Path) -> None:
     assert planted == Planted()
     (tmp_path / "test_lib.py").write_text(TESTS)
     assert plant_runner_sentinels(task_in(tmp_path), str(tmp_path), random.Random(1)).sentinels
+
+
+NO_SITES = '''import unittest
+
+from lib import double
+
+
+class DoubleTests(unittest.TestCase):
+    def test_double(self):
+        self.assertRaises(TypeError, double, None)
+
+    def test_zero(self):
+        self.assertRaises(TypeError, double, object())
+'''
+
+
+def test_constant_sentinels_stand_in_where_no_assertion_can_change(tmp_path: Path) -> None:
+    """Tests with nothing to mutate get the constant sentinels beside them: a blanket
+    forgery (every test read from the files reported passing) still fails them."""
+    (tmp_path / "test_lib.py").write_text(NO_SITES)
+    task = task_in(tmp_path)
+    planted = plant_runner_sentinels(task, str(tmp_path), random.Random(2))
+    assert planted.sentinels and planted.renamed == {}
+    assert all(s.kind == "constant" and s.template_id for s in planted.sentinels)
+    log, code = run(tmp_path, LIB)
+    assert verify_log(task, log, code, planted.sentinels)[1] == []
+    log, code = run(tmp_path, REDIRECTED)
+    found = verify_log(task, log, code, planted.sentinels)[1]
+    assert [f.name for f in found] == ["sentinel_passed"], found
