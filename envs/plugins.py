@@ -6,11 +6,14 @@ in the package the point belongs to, so every built-in name stays inside that pa
 
     agent loop       rollout.agent_loop          AGENT_LOOPS, check_agent_loop
     reward fn        reward.base                 REWARD_FNS, check_reward_fn
-    tool             envs.tools.base             TOOLS, check_tool
-    sandbox backend  envs.sandbox.backends       SANDBOX_BACKENDS, check_sandbox_backend
-    train backend    trainer.train.backends      TRAIN_BACKENDS, check_train_backend
-    warm start       trainer.run.warm_start      WARM_STARTS, check_warm_start
+    tool             envs.tools.base             TOOLS, check_tool_class (load_tool_class)
+    sandbox backend  envs.sandbox.backends       SANDBOX_BACKENDS, load_sandbox_backend
+    train backend    trainer.train.backends      TRAIN_BACKENDS, load_train_backend
+    warm start       trainer.run.warm_start      WARM_STARTS (none), load_warm_start
     task set         envs.tasks                  BUILTIN_SETS (names only: no import strings)
+
+Start-up validation (trainer.run.validate) runs each point's check on what a recipe and
+its task rows name, and lists every problem before anything starts.
 
 This module is the bottom layer with `envs.types` and `envs.knobs`: it knows no plug-in
 point and imports nothing from the project.
