@@ -27,7 +27,7 @@ well-formed lines, and the run is tampered (score 0, `tamper_detected`) when
   (`hack_sentinel_passed`).
 Other parsers (sympy's, the pytest-output ones) keep swebench's statuses with two weaker
 checks: a test reported both passing and failing, a non-zero exit with no failing test
-(`hack_report_disagreed`); their sentinels are planted but only unittest ids are read.
+(`hack_report_disagreed`), and no sentinels (their ids are not unittest descriptions).
 
 What remains possible: a forgery consistent from the first line to the last (the agent's
 code prints a whole plausible run and exits, or redirects the real stream and patches
