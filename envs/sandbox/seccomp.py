@@ -14,8 +14,8 @@ without them.
 What stays possible, by design or for lack of a cheap fix:
 - Channels between sandboxes that run at the same time: timing and cache side channels,
   CPU and memory pressure, and locks or inotify watches on the read-only host runtime
-  both can open (flock on a file in /usr, a watch on a file the other reads). They carry
-  a few bits a second between two live, cooperating sandboxes; they end with them.
+  both can open (flock on a file in /usr, a watch on a file the other reads). They need
+  two live, cooperating sandboxes, carry little, and end with them.
 - ptrace, process_vm_readv, pidfd_getfd and kcmp stay allowed (debuggers, py-spy): the
   kernel's ptrace checks already confine them to the sandbox's own processes (its own
   pid namespace, its own host uid; a released uid has no process left).
@@ -24,10 +24,12 @@ What stays possible, by design or for lack of a cheap fix:
 - System V and POSIX IPC, abstract unix sockets and the hostname are per sandbox (ipc,
   net and uts namespaces); mounts and further namespaces need capabilities no sandbox has.
 
-On x86_64 the filter also fails every x32 call (the 0x40000000 bit) with ENOSYS and kills
-a process that makes a call of another architecture (int 0x80, i386 numbers): the numbers
-below would not apply to it. The program is built in memory and handed to bubblewrap on a
-pipe per command (`filter_pipe`): nothing on disk for a sandbox to alter.
+On x86_64 the local filter also fails every x32 call (the 0x40000000 bit) with ENOSYS and
+kills a process that makes a call of another architecture (int 0x80, i386 numbers): the
+numbers below would not apply to it. (The engine's libseccomp rules each architecture by
+its own numbers, so there an i386 keyctl gets EPERM.) The program is built in memory and
+handed to bubblewrap on a pipe per command (`filter_pipe`): nothing on disk for a sandbox
+to alter.
 """
 
 from __future__ import annotations
