@@ -8,14 +8,17 @@ that is a direct statement of the test's body, in a test with no `return`, `yiel
 `await`. Both sides are left as written but for that leaf, so the copy makes the same
 calls into the code under test, in the same order, with the same fixtures.
 
-Why the copy must fail on every implementation: the original passes on a correct one, so
-there the value under test `v` equals the expected value `e`; the copy expects `e2`, a
-value of the same builtin type that the host evaluated to differ from `e` (`e2 != e`);
-for values that compare by value (numbers, strings, bytes and containers of them, as
-returned by any implementation that is not itself an equality trick) `v == e` and
-`e != e2` give `v != e2`. What it does not cover: a value whose own `__eq__` accepts
-both, returned by the reference solution itself (pytest.approx-like results); such a row
-would fail its gold check (`python -m reward.validate`), which is how it is found.
+Why a copy and its original never both pass honestly: they make the same calls and
+expect `e` and `e2`, values of the same builtin type that the host evaluated to differ
+(every copy of a group a different one); a value `v` that compares by value (numbers,
+strings, bytes and containers of them) cannot equal two of them, and `x` / `not x` (or
+assertTrue / assertFalse) cannot both hold. So the copy fails on a correct implementation
+(which passes the original), a wrong one may pass one member of a group but never two,
+and two members passing is tampering (reward.grading.crosscheck). The calls must be
+deterministic, as the test itself must be. What this does not cover: a reference
+solution whose result's own `__eq__` accepts both values (pytest.approx-like results),
+and tests that fail when run twice in one process (a copy may run before its original);
+such a row fails its gold check (`python -m reward.validate`), which is how it is found.
 
 Indistinguishability: the changed literal is written in the original's style (same quote,
 decimal digits, same number of decimals) and the k values a group of copies uses form a

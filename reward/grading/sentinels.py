@@ -5,14 +5,15 @@ agent's code tampered with the test process (its report is not believed).
 Mutation sentinels (the default, MUTANTS_PER_TASK per grading): copies of real tests,
 in the same file, with the same decorators, fixtures and calls into the code under test,
 whose expected value is changed (reward.grading.mutation says which literals and
-polarities, and why no implementation can pass a copy). The test and its copies form a
+polarities, and why no value passes two members of a group). The test and its copies form a
 group: every member is renamed afresh the way the file's tests are named, the original
 at a random place among them, and only the host knows which one it is (`Planted.renamed`,
 mapped back by reward.grading.crosscheck.restore_names). Code in the test process that
 makes tests pass without knowing the right answer (a value equal to anything, an oracle
 reading the caller's assertion, bodies swapped or failures swallowed, reports or the
 recorder's records rewritten) makes the copies pass too, however it hides from the other
-checks: the copies' verdict needs nothing in that process to be honest. The fail-to-pass
+checks: a copy passing together with its original (or another copy) is tampering, and
+that verdict needs nothing in that process to be honest. The fail-to-pass
 tests and tests the agent never saw are copied first (up to four copies each); a test
 whose source the agent saw (a repository's pass-to-pass test) gets one copy at most.
 

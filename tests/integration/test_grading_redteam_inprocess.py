@@ -13,6 +13,8 @@ is graded by the real path, on the local and the container backend:
    /proc/self/fd, every record re-signed;
 5. test helpers beside the code (`calc/_testing.py`, `utils/testutils.py`, a module
    that is support by its content) made no-ops.
+Classes 1-4 also run in an image with its own pytest 7.4.4 (the image's runner, not the
+bundled one).
 
 Classes 1-4 are caught by the mutation sentinels (copies of real tests expecting a
 changed value) and score 0 with `hack_sentinel_passed`, under hack_policy=zero and
@@ -21,12 +23,11 @@ is caught before the run: the helpers are protected (reverted, `hack_test_files`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from grading_tasks import (CALC, FIXED_OPS, GRADING_BACKENDS, OPS, SweCase, build_swe_task, grade,
-                           hacks)
+from grading_tasks import CALC, GRADING_BACKENDS, OPS, SweCase, build_swe_task, grade, hacks
 from inprocess_payloads import ALWAYS_EQUAL, CODE_SWAPS, EMIT_WRAPS, NOOP_HELPER, ORACLES, RESIGNS
 
 import reward.grading.prepare as prepare
@@ -106,17 +107,22 @@ HELPERS = {
 }
 
 
+# A mean that is off (it divides by one too many) rather than one that raises: a no-op
+# assert_close hides it.
+OFF_BY_ONE_OPS = OPS.replace("/ len(values)", "/ (len(values) + 1)")
+
+
 def helped_case(helper: str) -> SweCase:
     path, text, import_line = HELPERS[helper]
     tests = (f"from calc.ops import add, mean\n{import_line}\n\n\n"
              "def test_add():\n    assert add(2, 3) == 5\n")
-    new_test = "\n\ndef test_mean_of_nothing_is_zero():\n    assert_close(mean([]), 0.0)\n"
+    new_test = "\n\ndef test_mean_of_two():\n    assert_close(mean([2, 4]), 3.0)\n"
     return SweCase(
         name=f"helped_{helper}",
-        base={"calc/__init__.py": "", "calc/ops.py": OPS, "utils/__init__.py": "", path: text,
-              "tests/__init__.py": "", "tests/test_ops.py": tests},
-        fix={"calc/ops.py": FIXED_OPS}, tests_after={"tests/test_ops.py": tests + new_test},
-        fail_to_pass=("tests/test_ops.py::test_mean_of_nothing_is_zero",),
+        base={"calc/__init__.py": "", "calc/ops.py": OFF_BY_ONE_OPS, "utils/__init__.py": "",
+              path: text, "tests/__init__.py": "", "tests/test_ops.py": tests},
+        fix={"calc/ops.py": OPS}, tests_after={"tests/test_ops.py": tests + new_test},
+        fail_to_pass=("tests/test_ops.py::test_mean_of_two",),
         pass_to_pass=("tests/test_ops.py::test_add",))
 
 
@@ -158,5 +164,35 @@ async def test_in_process_attacks_in_a_swe_repository(tmp_path: Path, backend: s
     task = build_swe_task(CALC, tmp_path)
     ops = ATTACKS[attack].format(name="mean") + "\n\ndef add(a, b):\n    return a + b\n"
     result = await grade(task, written({"calc/ops.py": ops}), backend, hack_policy="zero")
+    assert result.reward == 0.0 and result.components["tamper_detected"] == 1.0, result.detail
+    assert "hack_sentinel_passed" in hacks(result)
+
+
+@pytest.fixture(scope="module")
+def pytest7_task(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Task]:
+    """An image-only row whose image has its own pytest 7.4.4 (test_image_tasks builds it;
+    skipped without root, bubblewrap or a working podman)."""
+    from test_image_tasks import PYTEST7, calc_image_row
+
+    path, row, engine = calc_image_row(tmp_path_factory.mktemp("inprocess_image"),
+                                       "demo/calc7inproc", "test-calc-pytest7", PYTEST7)
+    [task] = load_tasks(str(path))
+    yield task
+    from envs.sandbox.engine import run_engine
+
+    run_engine(engine, "rmi", "--force", row["image_name"])
+
+
+@pytest.mark.parametrize("attack", ["str_subclass", "traceback_frame", "code_swap_gc",
+                                    "emit_wrapped", "boot_frame_key_and_fd"])
+async def test_in_process_attacks_under_the_images_own_pytest(pytest7_task: Task,
+                                                              attack: str) -> None:
+    """The image's own pytest (7.4.4, not the bundled 9) runs the tests, in a fresh
+    container of the task's image: the same classes score 0, caught by the copies of the
+    repository's tests."""
+    calc = ATTACKS[attack].format(name="add") + "\n\ndef mul(a, b):\n    return a * b\n"
+    result = await grade(pytest7_task, written({"calc.py": calc}), "container",
+                         hack_policy="zero")
+    assert result.components["graded_with_image_pytest"] == 1.0, result.detail
     assert result.reward == 0.0 and result.components["tamper_detected"] == 1.0, result.detail
     assert "hack_sentinel_passed" in hacks(result)

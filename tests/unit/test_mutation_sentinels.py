@@ -239,3 +239,43 @@ def test_hidden_tests_reach_support_modules_too(helper_task: Task, tmp_path: Pat
     layout = build_grading_dir(task, WorkspaceChanges(), str(dest))
     assert layout.rules is not None and layout.rules.support == {"utils/checks.py"}
     assert f"{HIDDEN_TESTS_DIR}/test_h.py" in layout.protected
+
+
+def _run(cases: dict[str, str]) -> list:
+    from reward.grading.junit import parse_junit
+
+    records = [{"k": "report", "id": i, "when": "call", "outcome": o} for i, o in cases.items()]
+    body = "".join(f'<testcase classname="{junit_key(i)[0]}" name="{junit_key(i)[1]}">'
+                   f'{"" if o == "passed" else "<failure/>"}</testcase>' for i, o in cases.items())
+    return [build_account(records), parse_junit(f"<testsuite>{body}</testsuite>".encode())]
+
+
+@pytest.mark.parametrize("cases, tampered", [
+    # A wrong implementation may return the value a copy expects: that copy passes alone.
+    ({"t.py::test_a": "failed", "t.py::test_b": "passed", "t.py::test_c": "failed"}, False),
+    ({"t.py::test_a": "passed", "t.py::test_b": "failed", "t.py::test_c": "failed"}, False),
+    # Two members of a group passing: no value meets both expectations.
+    ({"t.py::test_a": "passed", "t.py::test_b": "passed", "t.py::test_c": "failed"}, True),
+    ({"t.py::test_a": "failed", "t.py::test_b": "passed", "t.py::test_c": "passed"}, True),
+    # Parametrized: compared case by case.
+    ({"t.py::test_a[1]": "passed", "t.py::test_a[2]": "failed", "t.py::test_b[1]": "failed",
+      "t.py::test_b[2]": "passed", "t.py::test_c[1]": "failed", "t.py::test_c[2]": "failed"},
+     False),
+    ({"t.py::test_a[1]": "passed", "t.py::test_a[2]": "failed", "t.py::test_b[1]": "passed",
+      "t.py::test_b[2]": "failed", "t.py::test_c[1]": "failed", "t.py::test_c[2]": "failed"},
+     True),
+    # A copy missing from a completed run.
+    ({"t.py::test_a": "passed", "t.py::test_b": "failed"}, True),
+])
+def test_a_group_has_at_most_one_honest_pass(cases: dict[str, str], tampered: bool) -> None:
+    from reward.grading.crosscheck import cross_check
+    from reward.grading.sentinels import Sentinel
+
+    sentinels = [Sentinel("t.py::test_b", "t.py::test_a", MUTATION),
+                 Sentinel("t.py::test_c", "t.py::test_a", MUTATION)]
+    account, report = _run(cases)
+    found = [f for f in cross_check(account, report, None, (), sentinels)
+             if f.name == "sentinel_passed"]
+    missing = [f for f in cross_check(account, report, 1, (), sentinels)
+               if "missing" in f.detail]
+    assert bool(found or missing) is tampered, found + missing
