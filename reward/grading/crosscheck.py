@@ -33,7 +33,7 @@ into a zero reward.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from reward.grading.hacking import Finding
 from reward.grading.junit import JUnitReport, Outcome, junit_key
@@ -108,12 +108,11 @@ def restore_names(account: RunAccount, report: JUnitReport | None,
         classname, name = keys.get((key[0], base), (key[0], base))
         return classname, name + bracket + params
 
-    restored = RunAccount(items=tuple((own(i), k) for i, k in account.items),
-                          begun=tuple(own(i) for i in account.begun),
-                          outcomes={own(i): o for i, o in account.outcomes.items()},
-                          calls={own(i): c for i, c in account.calls.items()},
-                          collect_errors=account.collect_errors,
-                          finish_status=account.finish_status)
+    restored = replace(
+        account, items=tuple((own(i), k) for i, k in account.items),
+        begun=tuple(own(i) for i in account.begun),
+        outcomes={own(i): o for i, o in account.outcomes.items()},
+        calls={own(i): c for i, c in account.calls.items()})
     if report is None:
         return restored, None
     return restored, JUnitReport({own_key(k): o for k, o in report.cases.items()})

@@ -178,14 +178,17 @@ def evaluate(node: ast.expr, replace: ast.Constant | None = None, by: object = N
         if value is None or value is Ellipsis or isinstance(value, complex):
             raise NotConstant
         return value
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+    if isinstance(node, (ast.Tuple, ast.List)):
         items = [evaluate(e, replace, by) for e in node.elts]
-        out: object = tuple(items) if isinstance(node, ast.Tuple) else \
-            items if isinstance(node, ast.List) else set(items)
-        return out
-    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
-        return {evaluate(k, replace, by): evaluate(v, replace, by)  # type: ignore[arg-type]
-                for k, v in zip(node.keys, node.values)}
+        return tuple(items) if isinstance(node, ast.Tuple) else items
+    try:
+        if isinstance(node, ast.Set):
+            return {evaluate(e, replace, by) for e in node.elts}
+        if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+            return {evaluate(k, replace, by): evaluate(v, replace, by)  # type: ignore[arg-type]
+                    for k, v in zip(node.keys, node.values)}
+    except TypeError:  # an unhashable member: the test itself would raise
+        raise NotConstant from None
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         operand = evaluate(node.operand, replace, by)
         if not isinstance(operand, (int, float)):

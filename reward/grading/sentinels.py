@@ -57,8 +57,9 @@ _SKIP_CALLS = frozenset({"skip", "skipTest", "xfail", "importorskip", "skipif", 
 CONSTANT = "constant"  # ends in an always-false check of constants
 MUTATION = "mutation"  # a copy of a real test expecting a changed value (reward.grading.mutation)
 # Mutation sentinels per grading, spread over the tests (the f2p tests first): the
-# smallest count that keeps a blind selective bypass of a 5-test task's failing tests
-# under 1e-3 (tests/bench/bench_mutation_sentinels.py).
+# smallest count that keeps a selective bypass of all five tests of a bundled task under
+# 1e-3 when the attacker cannot tell copies from tests (tests/bench/bench_mutation_sentinels.py;
+# fewer failing tests need far more, see the module docstring).
 MUTANTS_PER_TASK = 8
 
 
