@@ -97,6 +97,12 @@ def test_the_run_reaches_the_train_side_only_through_its_entry_points():
     assert bad == []
 
 
+def test_trainer_reaches_reward_only_through_rollout():
+    # The reward loop runs in the agent-loop worker: rollout composes the reward section
+    # (rollout.config) and hosts its plug-in point (rollout.reward_plugins).
+    assert "reward" not in package_graph()["trainer"]
+
+
 def test_imports_flow_down_the_ranks():
     bad = []
     for name, tree in _modules().items():
