@@ -207,11 +207,11 @@ def _sentinel_problem(account: RunAccount, sentinel: Sentinel, outcomes: set[Out
     return ""
 
 
-def _cases(account: RunAccount, report: JUnitReport | None,
+def _cases(account: RunAccount | None, report: JUnitReport | None,
            node_id: str) -> dict[str, set[Outcome]]:
-    """A test's outcomes in both accounts, by its parameters ('' for none, '[a-1]')."""
+    """A test's outcomes in the accounts given, by its parameters ('' for none, '[a-1]')."""
     found: dict[str, set[Outcome]] = {}
-    for i, outcome in account.outcomes.items():
+    for i, outcome in (account.outcomes.items() if account is not None else ()):
         if i == node_id or i.startswith(node_id + "["):
             found.setdefault(i[len(node_id):], set()).add(outcome)
     if report is not None:
@@ -230,10 +230,11 @@ def _mutation_problem(account: RunAccount, report: JUnitReport | None, sentinel:
     where its template was not, or is missing from a completed run. A copy passing alone
     is an implementation that returns the copy's value: wrong, and no sign of tampering."""
     mine = _cases(account, report, sentinel.node_id)
-    if not mine:
-        path = sentinel.node_id.split("::", 1)[0]
-        return "was missing from a completed run" if completed and \
-            path not in account.collect_errors else ""
+    path = sentinel.node_id.split("::", 1)[0]
+    in_stream = bool(_cases(account, None, sentinel.node_id))
+    in_report = report is None or bool(_cases(None, report, sentinel.node_id))
+    if completed and not (in_stream and in_report) and path not in account.collect_errors:
+        return "was missing from a completed run"
     others = [sentinel.template_id or ""] + [s.node_id for s in sentinels if s.kind == MUTATION
                                              and s.template_id == sentinel.template_id
                                              and s.node_id < sentinel.node_id]

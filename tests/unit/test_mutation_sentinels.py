@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from envs.tasks.code import all_specs
-from envs.types import HIDDEN_TESTS_DIR, Message, Task
+from envs.types import HIDDEN_TESTS_DIR, GradingSpec, Message, Task
 from reward.grading.crosscheck import build_account, restore_names
 from reward.grading.hacking import static_findings
 from reward.grading.junit import JUnitReport, Outcome, junit_key
@@ -201,7 +201,7 @@ def helper_task(tmp_path: Path) -> Task:
         (source / rel).parent.mkdir(parents=True, exist_ok=True)
         (source / rel).write_text(text)
     return Task("t", (Message("user", "fix add"),), source_dir=str(source),
-                fail_to_pass=("tests/test_calc.py::test_add",))
+                grading=GradingSpec(fail_to_pass=("tests/test_calc.py::test_add",)))
 
 
 def test_support_modules_are_found_by_the_import_graph(helper_task: Task, tmp_path: Path) -> None:
@@ -233,7 +233,7 @@ def test_hidden_tests_reach_support_modules_too(helper_task: Task, tmp_path: Pat
     (hidden / "test_h.py").write_text("from utils.checks import assert_positive\n\n\n"
                                       "def test_h():\n    assert_positive(1)\n")
     task = Task("t", (Message("user", "x"),), source_dir=helper_task.source_dir,
-                hidden_tests=str(hidden))
+                grading=GradingSpec(hidden_tests=str(hidden)))
     dest = tmp_path / "dest"
     dest.mkdir()
     layout = build_grading_dir(task, WorkspaceChanges(), str(dest))
@@ -279,3 +279,14 @@ def test_a_group_has_at_most_one_honest_pass(cases: dict[str, str], tampered: bo
     missing = [f for f in cross_check(account, report, 1, (), sentinels)
                if "missing" in f.detail]
     assert bool(found or missing) is tampered, found + missing
+
+
+def test_a_copy_missing_from_one_account_is_tampering() -> None:
+    from reward.grading.crosscheck import cross_check
+    from reward.grading.sentinels import Sentinel
+
+    sentinels = [Sentinel("t.py::test_b", "t.py::test_a", MUTATION)]
+    account, _ = _run({"t.py::test_a": "passed", "t.py::test_b": "failed"})
+    _, rewritten = _run({"t.py::test_a": "passed"})  # the report rewritten without the copy
+    found = cross_check(account, rewritten, 1, (), sentinels)
+    assert any(f.name == "sentinel_passed" and "missing" in f.detail for f in found), found
