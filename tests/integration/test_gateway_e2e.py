@@ -2,9 +2,9 @@
 the official `openai` and `anthropic` clients: every prompt the engine saw is a prefix of
 its segment, the segment's logprobs and versions are the engine's, streaming and
 non-streaming agree in shape, a history rewrite makes a new segment, another session's
-token is refused, malformed bodies get the protocol's errors, and GatewayAgentLoop runs a
-harness through the real agent-loop worker, where a rewritten session is trained as two
-exact segments under one reward and advantage.
+token is refused, malformed bodies get the protocol's errors (bad input a 4xx, never a 500),
+and GatewayAgentLoop runs a harness through the real agent-loop worker, where a rewritten
+session is trained as two exact segments under one reward and advantage.
 """
 
 from __future__ import annotations
@@ -186,6 +186,44 @@ async def test_tokens_and_malformed_requests_get_protocol_errors(served):
     assert [m.id for m in listed.data] == ["tiny"]
     assert server.gateway.close_session(mine.id, TerminationReason.FINISHED) == []  # nothing was generated
     server.gateway.close_session(other.id, TerminationReason.FINISHED)
+
+
+async def test_bad_input_gets_4xx_never_a_500(served):
+    """What gave a 500 before (a lone surrogate, `"tools": 5`, 100k-deep JSON) and an
+    oversized body, from the official clients and as raw bytes: each a 4xx, counted, and
+    none reaches the engine."""
+    import anthropic
+    import httpx
+    import openai
+
+    server, engine = served
+    session = server.gateway.open_session("t", "bad", 0)
+    before, num_calls = server.gateway.stats().errors_by_reason, len(engine.calls)
+    user = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError, match="'tools' must be an array"):
+        await openai_client(server, session).chat.completions.create(model="tiny", messages=user, tools=5,
+                                                                     max_tokens=4)
+    with pytest.raises(anthropic.BadRequestError, match="'tools' must be an array"):
+        await anthropic.AsyncAnthropic(base_url=server.session_url(session), api_key=session.token,
+                                       max_retries=0).messages.create(model="tiny", max_tokens=4, messages=user,
+                                                                      tools=5)
+    with pytest.raises(openai.APIStatusError) as too_big:
+        await openai_client(server, session).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x" * (5 * 2**20)}], max_tokens=4)
+    assert too_big.value.status_code == 413
+    url = server.session_url(session) + "/v1/chat/completions"
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {session.token}"}, timeout=60) as client:
+        for body in (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', b"[" * 100_000 + b"]" * 100_000):
+            response = await client.post(url, content=body)
+            assert response.status_code == 400, response.text
+    after = server.gateway.stats().errors_by_reason
+    assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {
+        "invalid": 2, "too_large": 1, "malformed": 2}
+    assert len(engine.calls) == num_calls
+    # The session is unharmed: the next good request is its first segment.
+    await openai_client(server, session).chat.completions.create(model="tiny", messages=user, max_tokens=4)
+    (segment,) = server.gateway.close_session(session.id, TerminationReason.FINISHED)
+    assert_exact(segment, engine.calls[-1:])
 
 
 async def two_turns(endpoint: HarnessEndpoint, task: Task):
