@@ -21,7 +21,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN_BYTES = 64  # every tensor starts at an offset any dtype can be viewed from
 MAX_CHECKSUM_TENSORS = 4
@@ -30,14 +33,14 @@ TensorSpec = tuple[str, tuple[int, ...], str, int]  # name, full shape, dtype na
 
 # --- CPU transport: the whole state as bytes -----------------------------------------------
 
-def encode_state(state: Mapping[str, Any]) -> bytes:
+def encode_state(state: Mapping[str, torch.Tensor]) -> bytes:
     """safetensors bytes of a state dict (CPU, contiguous copies)."""
     from safetensors.torch import save
 
     return save({name: t.detach().to("cpu").contiguous() for name, t in state.items()})
 
 
-def decode_state(blob: bytes) -> dict[str, Any]:
+def decode_state(blob: bytes) -> dict[str, torch.Tensor]:
     """The state dict `encode_state` wrote."""
     from safetensors.torch import load
 
@@ -51,13 +54,12 @@ def choose_checksum_names(names_ndims: Iterable[tuple[str, int]]) -> list[str]:
     pad vocabularies, but keep norm weights as they are. Takes (name, ndim) pairs."""
     names = [n for n, ndim in names_ndims if ndim == 1 and n.endswith("norm.weight")]
     if not names:
-        raise ValueError("no norm weights to checksum in the pushed state; cannot verify the "
-                         "push (set sync.verify_checksum=false for a model without them)")
+        raise ValueError("no norm weights to checksum in the pushed state; cannot verify")
     step = max(1, len(names) // MAX_CHECKSUM_TENSORS)
     return names[::step][:MAX_CHECKSUM_TENSORS]
 
 
-def checksum_tensors(named: dict[str, Any], names: list[str]) -> str:
+def checksum_tensors(named: Mapping[str, torch.Tensor], names: Sequence[str]) -> str:
     """sha256 over the raw bytes of the named tensors (fp32 view), in the given order.
 
     The trainer computes the same digest over the weights it pushed; a mismatch means an
@@ -71,11 +73,11 @@ def checksum_tensors(named: dict[str, Any], names: list[str]) -> str:
     return digest.hexdigest()
 
 
-def expected_checksum(state: Mapping[str, Any]) -> tuple[list[str], str]:
+def expected_checksum(state: Mapping[str, torch.Tensor]) -> tuple[list[str], str]:
     """The tensors engines are asked to checksum after a push of `state`, and the digest
     they must give."""
     names = choose_checksum_names((n, t.ndim) for n, t in state.items())
-    return names, checksum_tensors(dict(state), names)
+    return names, checksum_tensors(state, names)
 
 
 # --- broadcast transports: the bucket plan and its byte buffers ------------------------------
@@ -97,11 +99,11 @@ class Bucket:
     num_bytes: int  # buffer size: the end of the last slot
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _torch_dtype(name: str) -> Any:
+def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, name, None)
@@ -139,16 +141,18 @@ def plan_buckets(tensors: Iterable[tuple[str, Sequence[int], str, int]],
     return tuple(buckets)
 
 
-def specs_of(state: Mapping[str, Any]) -> list[TensorSpec]:
+def specs_of(state: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     """(name, shape, dtype name, element size) of each tensor of `state`, in its order."""
     return [(name, tuple(t.shape), dtype_name(t.dtype), t.element_size()) for name, t in state.items()]
 
 
-def plan_state_buckets(state: Mapping[str, Any], bucket_bytes: int) -> tuple[Bucket, ...]:
+def plan_state_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> tuple[Bucket, ...]:
     """`plan_buckets` over a name -> tensor mapping, in its order."""
     return plan_buckets(specs_of(state), bucket_bytes)
 
 
+# The plan on the wire is plain rpc values (Any: lists, dicts, strings and ints of the
+# shape below), turned back into typed Buckets on arrival by `decode_plan`.
 def encode_plan(buckets: Sequence[Bucket]) -> list[dict[str, Any]]:
     """Plain lists, dicts, strings and ints: what survives vLLM's rpc serialisation."""
     return [{"num_bytes": b.num_bytes,
@@ -164,24 +168,25 @@ def decode_plan(wire: Sequence[dict[str, Any]]) -> tuple[Bucket, ...]:
                  for b in wire)
 
 
-def pack_bucket(bucket: Bucket, tensors: Iterator[tuple[str, Any]], device: Any) -> Any:
+def pack_bucket(bucket: Bucket, tensors: Iterator[tuple[str, torch.Tensor]],
+                device: torch.device | str) -> torch.Tensor:
     """The bucket's byte buffer on `device`, filled from the next tensors of `tensors`,
     which must arrive in plan order with the planned shape and dtype."""
     import torch
 
     buffer = torch.empty(bucket.num_bytes, dtype=torch.uint8, device=device)
     for slot in bucket.slots:
-        name, tensor = next(tensors, (None, None))
-        if name != slot.name or tuple(tensor.shape) != slot.shape or dtype_name(tensor.dtype) != slot.dtype:
-            got = None if name is None else (name, tuple(tensor.shape), dtype_name(tensor.dtype))
+        item = next(tensors, None)
+        got = None if item is None else (item[0], tuple(item[1].shape), dtype_name(item[1].dtype))
+        if item is None or got != (slot.name, slot.shape, slot.dtype):
             raise ValueError(f"weights to send differ from the plan: expected "
                              f"{(slot.name, slot.shape, slot.dtype)}, got {got}")
-        raw = tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+        raw = item[1].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
         buffer[slot.offset:slot.offset + slot.num_bytes].copy_(raw)
     return buffer
 
 
-def unpack_bucket(bucket: Bucket, buffer: Any) -> Iterator[tuple[str, Any]]:
+def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) views into a received buffer, in plan order."""
     for slot in bucket.slots:
         raw = buffer[slot.offset:slot.offset + slot.num_bytes]

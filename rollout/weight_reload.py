@@ -70,7 +70,7 @@ class WeightReloadExtension:
     def sluice_load_weights(self, blob: bytes | None = None, path: str | None = None) -> None:
         if (blob is None) == (path is None):
             raise ValueError("pass exactly one of blob (safetensors bytes) or path (a folder)")
-        if path is not None:
+        if blob is None:
             self.model_runner.reload_weights(weights_path=path)  # type: ignore[attr-defined]
             return
         state = decode_state(blob)

@@ -400,7 +400,7 @@ class LocalSender:
     def __init__(self, state: Callable[[], Mapping[str, torch.Tensor]] | WeightSource,
                  backend: CommBackend, bucket_bytes: int, timeout_s: float, tp_size: int = 1,
                  host: str = "127.0.0.1", device: Any = "cpu") -> None:
-        self.source = state if hasattr(state, "walk") else StateSource(state)  # type: ignore[arg-type]
+        self.source: WeightSource = StateSource(state) if callable(state) else state
         self.pusher = BroadcastPusher(backend, host, device, bucket_bytes, tp_size, timeout_s)
 
     async def push_broadcast(self, version: int, engines: Mapping[str, EngineClient],
