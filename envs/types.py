@@ -8,11 +8,14 @@ one length, checked on construction.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import Any, Literal, TypeAlias
 
 import numpy as np
@@ -80,39 +83,31 @@ class Message:
         return out
 
 
-# Where grading copies `Task.hidden_tests` inside the grading workspace; node ids of hidden
-# tests in `Task.fail_to_pass` start with this folder (e.g. "_sluice_hidden/test_x.py::test_a").
+# Where grading copies `GradingSpec.hidden_tests` inside the grading workspace; node ids of
+# hidden tests in `GradingSpec.fail_to_pass` start with this folder
+# (e.g. "_sluice_hidden/test_x.py::test_a").
 HIDDEN_TESTS_DIR = "_sluice_hidden"
 
 
 @dataclass(frozen=True, slots=True)
-class Task:
-    """One problem; a GRPO group runs it G times.
+class GradingSpec:
+    """How tests grade a task: what only test-based grading (reward.grading) reads; none
+    of it ever enters the agent's sandbox.
 
-    Test-graded tasks name their tests by pytest node id ("path/to/test_file.py::Class::
-    test_name[param]", the path relative to the workspace root). `fail_to_pass` tests must
-    pass after the agent's change (they fail on the task's source); `pass_to_pass` tests
-    pass before and must keep passing. Both run only in a fresh grading sandbox, after
-    `test_patch` is applied and `hidden_tests` is copied to HIDDEN_TESTS_DIR there.
+    Tests are named by pytest node id ("path/to/test_file.py::Class::test_name[param]",
+    the path relative to the workspace root). `fail_to_pass` tests must pass after the
+    agent's change (they fail on the task's source); `pass_to_pass` tests pass before and
+    must keep passing. Both run only in a fresh grading sandbox, after `test_patch` is
+    applied and `hidden_tests` is copied to HIDDEN_TESTS_DIR there. The empty spec (the
+    default of `Task.grading`) names no tests.
     """
 
-    id: str
-    messages: tuple[Message, ...]  # the initial conversation (system + user)
-    tools: tuple[str, ...] = ()  # tool names available to the agent
-    answer: str | None = None  # reference answer for rule verifiers
-    agent_loop: str | None = None  # import string overriding agent.loop for this task
-    source_dir: str | None = None  # folder a sandbox workspace is created from
-    image: str | None = None  # container image, for container sandbox backends
-    # Where `image` keeps the repository (SWE-bench/SWE-smith images: /testbed): the
-    # workspace is seeded from it and appears there; None: /workspace (source_dir).
-    workdir: str | None = None
-    visible_tests: str | None = None  # folder of tests the agent may run (copied into its sandbox)
     hidden_tests: str | None = None  # folder of grading tests, never inside the agent's sandbox
-    test_patch: str | None = None  # unified diff (paths relative to the workspace root, git's
-    # a/ b/ prefixes) applied only in the grading copy; it adds or updates tests
-    fail_to_pass: tuple[str, ...] = ()  # pytest node ids that must pass after the change
-    pass_to_pass: tuple[str, ...] = ()  # pytest node ids that must keep passing
-    reward_fn: str | None = None  # import string 'package.module:Class' overriding reward.fn
+    # Unified diff (paths relative to the workspace root, git's a/ b/ prefixes) applied only
+    # in the grading copy; it adds or updates tests.
+    test_patch: str | None = None
+    fail_to_pass: tuple[str, ...] = ()  # tests that must pass after the change
+    pass_to_pass: tuple[str, ...] = ()  # tests that must keep passing
     # Tests graded by the repository's own runner instead of pytest node ids (SWE-bench's
     # django, sympy, ...): the command (run with bash in the workspace) and the name of
     # the `swebench` log parser that reads its output (e.g. "parse_log_django"); test ids
@@ -121,10 +116,129 @@ class Task:
     log_parser: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("fail_to_pass", "pass_to_pass"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ValueError(f"{name} must be a sequence, not a string (wrap it: [{value!r}])")
+            object.__setattr__(self, name, tuple(value))  # frozen: lists are normalised once, here
+        if (self.test_command is None) != (self.log_parser is None):
+            raise ValueError("test_command and log_parser go together (the runner's command "
+                             "and the swebench parser of its output)")
+        for name in ("fail_to_pass", "pass_to_pass"):
+            ids = getattr(self, name)
+            for node_id in ids:
+                problem = (_node_id_problem(node_id) if self.log_parser is None
+                           else "" if isinstance(node_id, str) and node_id else "is empty")
+                if problem:
+                    raise ValueError(f"{name} entry {node_id!r} {problem}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{name} lists a test twice; remove duplicates")
+        both = set(self.fail_to_pass) & set(self.pass_to_pass)
+        if both:
+            raise ValueError(f"tests {sorted(both)} are in both fail_to_pass and pass_to_pass; "
+                             "keep each in one list")
+        if self.test_patch is not None and not self.test_patch.strip():
+            raise ValueError("test_patch is empty; use None for no patch")
+
+    @property
+    def expected_tests(self) -> tuple[str, ...]:
+        """`fail_to_pass` then `pass_to_pass`: every test the spec names."""
+        return (*self.fail_to_pass, *self.pass_to_pass)
+
+
+NO_GRADING = GradingSpec()  # the spec of a task graded by no tests
+
+
+# The fields that moved from Task into GradingSpec: Task still takes them as keywords and
+# reads them as attributes, with a DeprecationWarning, until sluice 0.3.
+MOVED_TO_GRADING = tuple(f.name for f in fields(GradingSpec))
+
+
+def _moved_to_grading(name: str) -> property:
+    """The deprecated read-only `Task.<name>`: `task.grading.<name>`, with a warning."""
+    def read(task: Task) -> object:
+        warnings.warn(f"Task.{name} is deprecated (removed in sluice 0.3): read "
+                      f"task.grading.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(task.grading, name)
+    return property(read, doc=f"Deprecated: `grading.{name}`.")
+
+
+def _accept_moved_grading_keywords(cls: type[Task]) -> type[Task]:
+    """Let the dataclass `__init__` of `cls` take the fields that moved to GradingSpec as
+    keywords: they replace those fields of `grading` (the empty spec if none is given), so
+    `Task(..., fail_to_pass=ids)` and `dataclasses.replace(task, fail_to_pass=ids)` work as
+    before, with a DeprecationWarning naming the new spelling."""
+    generated = cls.__init__
+
+    # Any: the arguments go unchanged to the generated __init__, which checks them.
+    @functools.wraps(generated)
+    def __init__(self: Task, *args: Any, **kwargs: Any) -> None:
+        moved = {name: kwargs.pop(name) for name in MOVED_TO_GRADING if name in kwargs}
+        if moved:
+            given = ", ".join(f"{name}=..." for name in moved)
+            warnings.warn(f"Task({given}) is deprecated (removed in sluice 0.3): write "
+                          f"Task(..., grading=GradingSpec({given})) with envs.types.GradingSpec",
+                          DeprecationWarning, stacklevel=2)
+            base = kwargs.get("grading", NO_GRADING)
+            if not isinstance(base, GradingSpec):
+                raise ValueError(f"Task grading must be a GradingSpec, got {type(base).__name__}")
+            kwargs["grading"] = dataclasses.replace(base, **moved)
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+
+@_accept_moved_grading_keywords
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One problem; a GRPO group runs it G times.
+
+    Every task has an id and its initial messages; it may name its tools, a reference
+    answer, and an agent loop or reward function of its own. A task whose agent works in
+    a sandbox says where the workspace comes from (`source_dir`, or `image` + `workdir`)
+    and which tests the agent may run (`visible_tests`). A task graded by tests carries
+    them in `grading`; a task without tests keeps the empty GradingSpec.
+
+    Fields after `agent_loop` are keyword-only. Deprecated until sluice 0.3: the grading
+    fields as Task's own keywords and attributes (`Task(..., fail_to_pass=ids)`,
+    `task.fail_to_pass`) work with a DeprecationWarning; write
+    `Task(..., grading=GradingSpec(fail_to_pass=ids))` and `task.grading.fail_to_pass`.
+    Old keywords given beside `grading=` replace those fields of it.
+    """
+
+    # What every task has
+    id: str
+    messages: tuple[Message, ...]  # the initial conversation (system + user)
+    tools: tuple[str, ...] = ()  # tool names available to the agent
+    answer: str | None = None  # reference answer for rule verifiers
+    agent_loop: str | None = None  # import string overriding agent.loop for this task
+    _: KW_ONLY
+    reward_fn: str | None = None  # import string 'package.module:Class' overriding reward.fn
+    # Where the agent works (tasks with a sandbox)
+    source_dir: str | None = None  # folder a sandbox workspace is created from
+    image: str | None = None  # container image, for container sandbox backends
+    # Where `image` keeps the repository (SWE-bench/SWE-smith images: /testbed): the
+    # workspace is seeded from it and appears there; None: /workspace (source_dir).
+    workdir: str | None = None
+    visible_tests: str | None = None  # folder of tests the agent may run (copied into its sandbox)
+    # How tests grade it (read only by test-based grading)
+    grading: GradingSpec = NO_GRADING
+
+    # Deprecated aliases of the fields that moved to `grading` (removed in sluice 0.3).
+    hidden_tests = _moved_to_grading("hidden_tests")
+    test_patch = _moved_to_grading("test_patch")
+    fail_to_pass = _moved_to_grading("fail_to_pass")
+    pass_to_pass = _moved_to_grading("pass_to_pass")
+    test_command = _moved_to_grading("test_command")
+    log_parser = _moved_to_grading("log_parser")
+
+    def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("Task.id must be a non-empty string")
         set_ = object.__setattr__  # frozen: sequences given as lists are normalised once, here
-        for name in ("messages", "tools", "fail_to_pass", "pass_to_pass"):
+        for name in ("messages", "tools"):
             value = getattr(self, name)
             if isinstance(value, str):
                 raise ValueError(f"task {self.id!r}: {name} must be a sequence, not a string "
@@ -132,37 +246,22 @@ class Task:
             set_(self, name, tuple(value))
         if not self.messages:
             raise ValueError(f"task {self.id!r} has no messages")
-        self._validate_tests()
+        self._validate_workspace()
         # The shape only: the reward package owns the built-in names (checked at start-up).
         if self.reward_fn is not None and (problem := check_reference("reward fn", self.reward_fn)):
             raise ValueError(f"task {self.id!r}: reward_fn={self.reward_fn!r}: {problem}")
 
-    def _validate_tests(self) -> None:
-        if (self.test_command is None) != (self.log_parser is None):
-            raise ValueError(f"task {self.id!r}: test_command and log_parser go together (the "
-                             "runner's command and the swebench parser of its output)")
-        for name in ("fail_to_pass", "pass_to_pass"):
-            ids = getattr(self, name)
-            for node_id in ids:
-                problem = (_node_id_problem(node_id) if self.log_parser is None
-                           else "" if isinstance(node_id, str) and node_id else "is empty")
-                if problem:
-                    raise ValueError(f"task {self.id!r}: {name} entry {node_id!r} {problem}")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"task {self.id!r}: {name} lists a test twice; remove duplicates")
-        both = set(self.fail_to_pass) & set(self.pass_to_pass)
-        if both:
-            raise ValueError(f"task {self.id!r}: tests {sorted(both)} are in both fail_to_pass "
-                             "and pass_to_pass; keep each in one list")
-        if (self.test_patch or self.fail_to_pass or self.pass_to_pass) \
-                and not (self.source_dir or self.image or self.hidden_tests):
+    def _validate_workspace(self) -> None:
+        g = self.grading
+        if not isinstance(g, GradingSpec):
+            raise ValueError(f"task {self.id!r}: grading must be a GradingSpec "
+                             f"(envs.types.GradingSpec), got {type(g).__name__}")
+        if (g.test_patch or g.expected_tests) and not (self.source_dir or self.image or g.hidden_tests):
             raise ValueError(f"task {self.id!r} names tests but has no source_dir, image or "
                              "hidden_tests to run them in; add one")
         if self.workdir is not None and (self.image is None or not self.workdir.startswith("/")):
             raise ValueError(f"task {self.id!r}: workdir={self.workdir!r} is the absolute path "
                              "of the repository inside the task's image; it needs an image")
-        if self.test_patch is not None and not self.test_patch.strip():
-            raise ValueError(f"task {self.id!r}: test_patch is empty; use None for no patch")
 
 
 def _node_id_problem(node_id: object) -> str:

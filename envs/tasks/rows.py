@@ -8,8 +8,9 @@
      "test_patch": "diff --git ...",        "fail_to_pass": ["t.py::test_a"], "pass_to_pass": [],
      "reward_fn": "reward.grading.hidden_tests:HiddenTests", "agent_loop": "pkg.mod:Loop"}
 
-Only "id" and one of "prompt"/"messages" are required. Relative folders are resolved
-against the file's folder and must exist. Every mistake is a ValueError naming the
+Only "id" and one of "prompt"/"messages" are required. The test fields stay flat in the
+row; in memory they are the task's GradingSpec (`Task.grading`). Relative folders are
+resolved against the file's folder and must exist. Every mistake is a ValueError naming the
 file, the row, the field and the fix.
 """
 
@@ -21,7 +22,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from envs.types import Message, Task
+from envs.types import GradingSpec, Message, Task
 
 # One task row as read: a JSON object (or a parquet row), every value checked by the
 # get_* readers below before it reaches a Task.
@@ -209,10 +210,10 @@ def task_from_row(ref: RowRef, row: Row) -> Task:
                     agent_loop=get_str(ref, row, "agent_loop"),
                     source_dir=get_folder(ref, row, "source_dir"), image=get_str(ref, row, "image"),
                     visible_tests=get_folder(ref, row, "visible_tests"),
-                    hidden_tests=get_folder(ref, row, "hidden_tests"),
-                    test_patch=get_str(ref, row, "test_patch"),
-                    fail_to_pass=get_str_list(ref, row, "fail_to_pass"),
-                    pass_to_pass=get_str_list(ref, row, "pass_to_pass"),
+                    grading=GradingSpec(hidden_tests=get_folder(ref, row, "hidden_tests"),
+                                        test_patch=get_str(ref, row, "test_patch"),
+                                        fail_to_pass=get_str_list(ref, row, "fail_to_pass"),
+                                        pass_to_pass=get_str_list(ref, row, "pass_to_pass")),
                     reward_fn=get_str(ref, row, "reward_fn"))
     except ValueError as exc:
         if str(exc).startswith(ref.source):

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from envs.cache import build_once
 from envs.sandbox.base import WORKSPACE_MOUNT
 from envs.tasks.rows import Row, RowRef, get_str, get_str_list
-from envs.types import Message, Task
+from envs.types import GradingSpec, Message, Task
 
 SWE_TOOLS = ("bash", "read_file", "write_file", "str_replace", "submit")
 IMAGE_WORKDIR = "/testbed"  # where SWE-bench, SWE-Gym and SWE-smith images keep the repository
@@ -159,10 +159,9 @@ def swe_task_from_row(ref: RowRef, row: Row, cache_dir: str) -> Task:
                               Message("user", PROMPT.format(problem_statement=problem.strip(),
                                                             workdir=shown))),
                     source_dir=source, image=image, workdir=workdir,
-                    test_patch=test_patch or None,
-                    fail_to_pass=fail_to_pass,
-                    pass_to_pass=get_str_list(ref, row, "PASS_TO_PASS"),
-                    test_command=test_command, log_parser=log_parser,
+                    grading=GradingSpec(test_patch=test_patch or None, fail_to_pass=fail_to_pass,
+                                        pass_to_pass=get_str_list(ref, row, "PASS_TO_PASS"),
+                                        test_command=test_command, log_parser=log_parser),
                     reward_fn="reward.grading.hidden_tests:HiddenTests")
     except ValueError as exc:
         raise ref.error(None, str(exc)) from None

@@ -179,8 +179,8 @@ class SandboxSession:
         if not root.is_dir():
             raise ValueError(f"task {task.id!r}: visible_tests={task.visible_tests!r} is not a "
                              "folder on this host; fix the task or drop the field")
-        if task.hidden_tests is not None:
-            hidden = Path(task.hidden_tests).resolve()
+        if task.grading.hidden_tests is not None:
+            hidden = Path(task.grading.hidden_tests).resolve()
             if hidden == root.resolve() or root.resolve() in hidden.parents:
                 raise ValueError(f"task {task.id!r}: hidden_tests lies inside visible_tests, so "
                                  "the agent would see them; keep the two folders apart")

@@ -29,7 +29,7 @@ component `workspace_error`.
 An image-only task (Task.workdir, e.g. /testbed) is graded the same way with its image's
 repository as the base (read out on this node, envs.sandbox.images), the folder shown at
 that path in a fresh container of the task's image, on the image's Python. A task graded
-by its repository's own runner (Task.log_parser) runs that command through the driver's
+by its repository's own runner (GradingSpec.log_parser) runs that command through the driver's
 command mode and swebench's parser instead of pytest (reward.grading.swebench_log). Components
 `graded_by_<path>` and `graded_in_image` say which path graded it.
 
@@ -109,7 +109,7 @@ class GradingRun:
     locked: bool
     account: RunAccount = dataclasses.field(default_factory=RunAccount)
     in_image: bool = False  # graded in a container of the task's own image
-    log: str | None = None  # the runner's output, for a log parser (Task.log_parser)
+    log: str | None = None  # the runner's output, for a log parser (GradingSpec.log_parser)
     # Wall seconds of the phases: the grading folder (base copy, changes, test patch), the
     # fresh sandbox's create (container start), the driver's run (the tests)
     prepare_s: float = 0.0
@@ -120,7 +120,7 @@ class GradingRun:
 class HiddenTests:
     """Reward 1.0 when every expected test passes in the grading sandbox (SWE-bench's
     "resolved"), else 0.0; with `partial_credit`, the fraction of tests that pass.
-    Expected tests: `task.fail_to_pass` + `task.pass_to_pass`, or when both are empty,
+    Expected tests: `task.grading.expected_tests` (fail_to_pass + pass_to_pass), or when both are empty,
     everything collected under the hidden tests folder."""
 
     def __init__(self, *, partial_credit: bool = False, limits: SandboxLimits = GRADING_LIMITS,
@@ -138,10 +138,10 @@ class HiddenTests:
 
     async def __call__(self, trajectory: Trajectory, task: Task,
                        ctx: RewardContext) -> RewardResult:
-        if task.source_dir is None and task.hidden_tests is None and task.workdir is None:
+        if task.source_dir is None and task.grading.hidden_tests is None and task.workdir is None:
             raise ValueError(f"task {task.id!r} has neither source_dir nor hidden_tests; "
                              "reward.grading.hidden_tests:HiddenTests grades test-graded tasks only")
-        if not (task.fail_to_pass or task.pass_to_pass or task.hidden_tests):
+        if not (task.grading.expected_tests or task.grading.hidden_tests):
             raise ValueError(f"task {task.id!r} names no tests: set fail_to_pass/pass_to_pass "
                              "or hidden_tests")
         if ctx.workspace is not None and ctx.workspace.problem:
@@ -185,7 +185,7 @@ class HiddenTests:
             nonce = secrets.token_hex(8)
             settings = (driver_settings(layout, nonce, run_s - 3.0, workdir,
                                         self.use_image_pytest)
-                        if task.log_parser is None else
+                        if task.grading.log_parser is None else
                         swebench_log.command_settings(task, layout, nonce, run_s - 3.0, workdir))
             result = await sandbox.exec([self.python, "-I", "-B", f"{workdir}/{DRIVER}"],
                                         run_s, stdin=json.dumps(settings))
@@ -197,7 +197,7 @@ class HiddenTests:
                            f"oom_killed={result.oom_killed}): {result.stderr[-500:]}")
                 return GradingRun(None, None, problem, layout, locked, in_image=in_image,
                                   **phases)
-            if task.log_parser is not None:
+            if task.grading.log_parser is not None:
                 data, problem = await _read_verified(sandbox, "log.txt", driver.log_sha256)
                 log_text = None if data is None else data.decode("utf-8", "replace")
                 return GradingRun(driver, None, problem, layout, locked, in_image=in_image,
@@ -317,7 +317,7 @@ def expected_tests(task: Task, report: JUnitReport | None,
                    sentinel_ids: tuple[str, ...] = ()) -> list[tuple[str, Outcome]]:
     """(test, outcome) for every expected test; tests absent from the report count as
     missing (failed). Sentinels are never expected tests."""
-    ids = [*task.fail_to_pass, *task.pass_to_pass]
+    ids = list(task.grading.expected_tests)
     if ids:
         return [(i, report.outcome(i) if report else Outcome.MISSING) for i in ids]
     if report is None:
@@ -362,7 +362,7 @@ def run_results(task: Task, run: GradingRun) -> tuple[list[tuple[str, Outcome]],
 
 def grading_path(task: Task) -> str:
     """Which grader grades `task` (the graded_by_<path> component)."""
-    return GRADER_PATH if task.log_parser is None else swebench_log.GRADER_PATH
+    return GRADER_PATH if task.grading.log_parser is None else swebench_log.GRADER_PATH
 
 
 def score_run(task: Task, run: GradingRun, partial_credit: bool) -> RewardResult:
@@ -414,7 +414,7 @@ def _score_tests(task: Task, results: list[tuple[str, Outcome]], base: dict[str,
     components = {**base, "tests_passed_frac": frac, "all_passed": float(all_passed),
                   "num_tests": float(len(results))}
     outcome = dict(results)
-    for name, ids in (("fail_to_pass", task.fail_to_pass), ("pass_to_pass", task.pass_to_pass)):
+    for name, ids in (("fail_to_pass", task.grading.fail_to_pass), ("pass_to_pass", task.grading.pass_to_pass)):
         if ids:
             components[f"{name}_frac"] = sum(outcome[i] is Outcome.PASSED for i in ids) / len(ids)
     reward = frac if partial_credit else float(all_passed)

@@ -44,18 +44,18 @@ def trusted_test_files(task: Task) -> dict[str, str]:
     """The test files grading trusts, path -> text: the hidden tests, the expected tests'
     files as the test patch leaves them, and the source's conftest.py files above them."""
     found: dict[str, str] = {}
-    if task.hidden_tests is not None and os.path.isdir(task.hidden_tests):
-        for dirpath, _, names in os.walk(task.hidden_tests):
+    if task.grading.hidden_tests is not None and os.path.isdir(task.grading.hidden_tests):
+        for dirpath, _, names in os.walk(task.grading.hidden_tests):
             for name in names:
                 full = os.path.join(dirpath, name)
-                rel = os.path.relpath(full, task.hidden_tests).replace(os.sep, "/")
+                rel = os.path.relpath(full, task.grading.hidden_tests).replace(os.sep, "/")
                 text = _read(full) if name.endswith(".py") else None
                 if text is not None:
                     found[f"{HIDDEN_TESTS_DIR}/{rel}"] = text
-    if task.source_dir is None or task.log_parser is not None:
+    if task.source_dir is None or task.grading.log_parser is not None:
         return found
     patched = patched_files(task)
-    files = dict.fromkeys(i.split("::", 1)[0] for i in (*task.fail_to_pass, *task.pass_to_pass))
+    files = dict.fromkeys(i.split("::", 1)[0] for i in task.grading.expected_tests)
     for rel in files:
         if rel in patched:
             result = patched[rel]

@@ -57,12 +57,12 @@ _lock = threading.Lock()
 
 
 def patched_files(task: Task) -> dict[str, PatchedFile | None]:
-    """What `task.test_patch` makes of the source files it touches: path -> the file's
+    """What `task.grading.test_patch` makes of the source files it touches: path -> the file's
     new content, or None where the patch deletes it. Cached per task (task id, source
     folder and patch text); ValueError when the patch does not apply to the source."""
-    if not task.test_patch:
+    if not task.grading.test_patch:
         return {}
-    key = (task.id, task.source_dir, task.test_patch)
+    key = (task.id, task.source_dir, task.grading.test_patch)
     with _lock:
         cached = _cache.get(key)
     if cached is None:
@@ -75,8 +75,8 @@ def patched_files(task: Task) -> dict[str, PatchedFile | None]:
 
 
 def _apply_in_scratch(task: Task) -> dict[str, PatchedFile | None]:
-    assert task.test_patch is not None
-    paths = patched_paths(task.test_patch)
+    assert task.grading.test_patch is not None
+    paths = patched_paths(task.grading.test_patch)
     with tempfile.TemporaryDirectory(prefix="sluice-test-patch-") as scratch:
         tree, home = os.path.join(scratch, "tree"), os.path.join(scratch, "home")
         os.mkdir(tree)
@@ -106,7 +106,7 @@ def _git_apply(task: Task, tree: str, home: str) -> None:
            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_ATTR_NOSYSTEM": "1",
            "GIT_CEILING_DIRECTORIES": os.path.dirname(tree), "LANG": "C"}
     proc = subprocess.run(["git", *_GIT_CONFIG, "apply", "--whitespace=nowarn", "-"], cwd=tree,
-                          env=env, input=task.test_patch.encode() if task.test_patch else b"",
+                          env=env, input=task.grading.test_patch.encode() if task.grading.test_patch else b"",
                           capture_output=True, check=False)
     if proc.returncode != 0:
         raise ValueError(f"task {task.id!r}: test_patch does not apply to the task source: "

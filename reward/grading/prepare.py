@@ -110,7 +110,7 @@ def build_rules(task: Task, visible_tests_dir: str,
                 source_config: SourceConfig | None) -> ProtectionRules:
     roots = tuple(dict.fromkeys(("", *(source_config.pythonpath_dirs if source_config else ()))))
     rules = ProtectionRules(visible_tests_dir=visible_tests_dir.strip("/"),
-                            patched=patched_paths(task.test_patch), import_roots=roots,
+                            patched=patched_paths(task.grading.test_patch), import_roots=roots,
                             source_modules=source_module_names(task.source_dir, roots),
                             runner_files=runner_files(task))
     support = support_modules(task.source_dir, trusted_test_files(task), roots,
@@ -158,11 +158,11 @@ def build_grading_dir(task: Task, changes: WorkspaceChanges, dest: str,
     collection = Collection.from_options(source_config.values if source_config else {})
     # Must-fail sentinels; a task graded by its own runner's log gets its mutation
     # sentinels in the runner's id form (reward.grading.runner_tests).
-    planted = plant_runner_sentinels(task, dest, rng) if task.log_parser is not None else \
+    planted = plant_runner_sentinels(task, dest, rng) if task.grading.log_parser is not None else \
         _plant_sentinels(task, dest, _test_files(dest, test_args), rng, collection)
     sentinels = planted.sentinels
     test_args += tuple(dict.fromkeys(
-        f for f in (s.node_id.split("::")[0] for s in sentinels if task.log_parser is None)
+        f for f in (s.node_id.split("::")[0] for s in sentinels if task.grading.log_parser is None)
         if not any(f == a or f.startswith(a.rstrip("/") + "/") for a in test_args)))
     config_files = _config_files(dest)
     # Every test-related file, not only the ones run: a helper module the tests import
@@ -185,7 +185,7 @@ def _plant_sentinels(task: Task, dest: str, test_files: list[str], rng: random.R
     assertion to change, 2 or 3 sentinels of constants instead."""
     seen = {f: text for f in test_files
             if (text := _source_text(task.source_dir, f)) is not None}
-    preferred = frozenset(i.split("[", 1)[0] for i in task.fail_to_pass)
+    preferred = frozenset(i.split("[", 1)[0] for i in task.grading.fail_to_pass)
     planted = plant_mutation_sentinels(dest, list(test_files), rng, MUTANTS_PER_TASK,
                                        collection, preferred, seen)
     if planted.sentinels:
@@ -206,7 +206,7 @@ def _source_text(source_dir: str | None, rel: str) -> str | None:
 def tests_folder(task: Task) -> str:
     """Where the task's tests live (the common folder of the expected tests' files), from
     which pytest's config file is looked for upwards."""
-    files = [i.split("::", 1)[0] for i in (*task.fail_to_pass, *task.pass_to_pass)]
+    files = [i.split("::", 1)[0] for i in task.grading.expected_tests]
     if not files:
         return ""
     common = os.path.commonpath([os.path.dirname(f) or "." for f in files])
@@ -304,11 +304,11 @@ def _copy_hidden_tests(task: Task, dest: str) -> None:
     hidden = os.path.join(dest, HIDDEN_TESTS_DIR)
     if os.path.lexists(hidden):
         _remove(hidden)
-    if task.hidden_tests is None:
+    if task.grading.hidden_tests is None:
         return
-    if not os.path.isdir(task.hidden_tests):
-        raise ValueError(f"task {task.id!r}: hidden_tests {task.hidden_tests!r} is not a folder")
-    shutil.copytree(task.hidden_tests, hidden, symlinks=False)
+    if not os.path.isdir(task.grading.hidden_tests):
+        raise ValueError(f"task {task.id!r}: hidden_tests {task.grading.hidden_tests!r} is not a folder")
+    shutil.copytree(task.grading.hidden_tests, hidden, symlinks=False)
 
 
 def _write_grader_files(dest: str, grader_config: str) -> None:
@@ -327,11 +327,11 @@ def _write_grader_files(dest: str, grader_config: str) -> None:
 def _test_args(task: Task, dest: str) -> tuple[str, ...]:
     """The test files of the expected node ids that exist (a missing file would make
     pytest refuse the whole run; its tests then count as missing), or the hidden folder."""
-    ids = (*task.fail_to_pass, *task.pass_to_pass)
-    if task.log_parser is not None:
+    ids = task.grading.expected_tests
+    if task.grading.log_parser is not None:
         return ()  # the runner's ids are no paths; its command chooses what runs
     if not ids:
-        return (HIDDEN_TESTS_DIR,) if task.hidden_tests is not None else ()
+        return (HIDDEN_TESTS_DIR,) if task.grading.hidden_tests is not None else ()
     files = dict.fromkeys(node_id.split("::", 1)[0] for node_id in ids)
     return tuple(f for f in files if _real_parent(dest, f, create=False) is not None
                  and os.path.isfile(os.path.join(dest, f))

@@ -60,13 +60,13 @@ _PYTHONS = re.compile(r"^(?:.*/)?(?:python[\d.]*|coverage|env)$")
 # --- the files the command runs --------------------------------------------------------
 
 def runner_files(task: Task) -> frozenset[str]:
-    """Workspace paths of the scripts `task.test_command` runs and of the runner modules
+    """Workspace paths of the scripts `task.grading.test_command` runs and of the runner modules
     they import (see the module docstring); empty for a task without a command."""
-    if task.test_command is None:
+    if task.grading.test_command is None:
         return frozenset()
     source = task.source_dir
     found: set[str] = set()
-    for script in _command_scripts(task.test_command, task.workdir or "/workspace"):
+    for script in _command_scripts(task.grading.test_command, task.workdir or "/workspace"):
         found.add(script)
         if source is not None:
             found.update(_imported_runner_modules(source, script))
@@ -164,16 +164,16 @@ def plant_runner_sentinels(task: Task, dest: str, rng: random.Random) -> Planted
     beside them (runner id in the folder -> the row's id). None where the command names
     single tests (renaming would deselect them) or no expected test is a unittest one."""
     modules = _test_modules(task, dest)
-    command = task.test_command or ""
+    command = task.grading.test_command or ""
     if not modules or any(_method_of(i)[1] in command
-                          for i in (*task.fail_to_pass, *task.pass_to_pass)
+                          for i in task.grading.expected_tests
                           if unittest_key(i) is not None):
         return Planted()
     paths = _without_base_classes(dest, {path: module for module, path in modules.items()})
     if not paths:
         return Planted()
     preferred = frozenset(f"{modules[m]}::{c}::{n}" for m, c, n in
-                          map(_parts, task.fail_to_pass) if m in modules)
+                          map(_parts, task.grading.fail_to_pass) if m in modules)
     seen = {path: text for path in paths if (text := _text(task.source_dir, path)) is not None}
     # unittest runs the methods of TestCase classes only: no module-level functions.
     collection = Collection(functions=(), classes=())
@@ -209,7 +209,7 @@ def _method_of(test_id: str) -> tuple[str, str]:
 def _test_modules(task: Task, dest: str) -> dict[str, str]:
     """Module -> its file in `dest`, for the modules of the expected tests (the shortest
     path ending like the module: runners put their test folder on sys.path)."""
-    wanted = {m for m, _, _ in map(_parts, (*task.fail_to_pass, *task.pass_to_pass)) if m}
+    wanted = {m for m, _, _ in map(_parts, task.grading.expected_tests) if m}
     if not wanted:
         return {}
     files = _python_files(dest)
@@ -271,5 +271,5 @@ def _runner_id(paths: dict[str, str], node_id: str) -> str:
 def _row_id(task: Task, runner_id: str) -> str:
     """The row's own id of the test `runner_id` names (the row may use either form)."""
     key = unittest_key(runner_id)
-    return next((i for i in (*task.fail_to_pass, *task.pass_to_pass) if unittest_key(i) == key),
+    return next((i for i in task.grading.expected_tests if unittest_key(i) == key),
                 runner_id)

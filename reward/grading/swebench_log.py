@@ -1,5 +1,5 @@
 """The swebench log-parser grading path: tasks whose tests are not pytest node ids
-(Task.test_command + Task.log_parser: django's runtests.py, sympy's bin/test, a
+(GradingSpec.test_command + log_parser: django's runtests.py, sympy's bin/test, a
 unittest-style runner) are graded the way SWE-bench grades them upstream, by the
 runner's own output, inside the same hardened set-up as the pytest path
 (reward.grading.hidden_tests):
@@ -78,15 +78,15 @@ def _test_spec(task: Task) -> Any:
     from swebench.types import TestSpec
 
     return TestSpec(instance_id=task.id, image=task.image or "", eval_script_list=[],
-                    repo="", version="", FAIL_TO_PASS=list(task.fail_to_pass),
-                    PASS_TO_PASS=list(task.pass_to_pass), log_parser=task.log_parser or "")
+                    repo="", version="", FAIL_TO_PASS=list(task.grading.fail_to_pass),
+                    PASS_TO_PASS=list(task.grading.pass_to_pass), log_parser=task.grading.log_parser or "")
 
 
 def command_settings(task: Task, layout: GradingLayout, nonce: str, timeout_s: float,
                      workdir: str) -> dict[str, Any]:
     """The driver's settings in command mode (see reward.grading.driver)."""
-    assert task.test_command is not None
-    return {"nonce": nonce, "workspace": workdir, "command": ["bash", "-c", task.test_command],
+    assert task.grading.test_command is not None
+    return {"nonce": nonce, "workspace": workdir, "command": ["bash", "-c", task.grading.test_command],
             "timeout_s": max(1.0, timeout_s), "out_dir": OUT_DIR,
             "max_log_bytes": MAX_LOG_BYTES, "protected": dict(layout.protected),
             "config_names": list(config_names()),
@@ -97,8 +97,8 @@ def command_settings(task: Task, layout: GradingLayout, nonce: str, timeout_s: f
 def parse_statuses(task: Task, log: str) -> tuple[dict[str, Outcome], list[Finding]]:
     """test -> Outcome as swebench's parser reads `log`, and the forged-line findings
     (a test both passing and failing, line by line)."""
-    assert task.log_parser is not None
-    parse = log_parser(task.log_parser)
+    assert task.grading.log_parser is not None
+    parse = log_parser(task.grading.log_parser)
     spec = _test_spec(task)
     statuses = {t: _STATUS.get(s, Outcome.FAILED) for t, s in parse(log, spec).items()}
     seen: dict[str, set[Outcome]] = {}
@@ -128,8 +128,8 @@ def verify_log(task: Task, log: str, exit_code: int | None,
     """test -> Outcome of every expected test, and the tampering findings of the run's
     output (see the module docstring). `renamed`: the real tests renamed in the grading
     folder beside their sentinels (runner id there -> the row's id)."""
-    expected = (*task.fail_to_pass, *task.pass_to_pass)
-    if task.log_parser not in STRICT_PARSERS:
+    expected = task.grading.expected_tests
+    if task.grading.log_parser not in STRICT_PARSERS:
         statuses, found = parse_statuses(task, log)
         found += exit_code_finding(statuses, exit_code)
         return {i: statuses.get(i, Outcome.MISSING) for i in expected}, found
@@ -142,7 +142,7 @@ def verify_log(task: Task, log: str, exit_code: int | None,
                         f"{ghosts[:MAX_NAMED]}")
     found = [Finding("runner_output", "; ".join(problems[:MAX_NAMED]))] if problems else []
     totals = list(read.totals_problems)
-    if read.failed and exit_code == 0 and _single_command(task.test_command or ""):
+    if read.failed and exit_code == 0 and _single_command(task.grading.test_command or ""):
         totals.append("the test command exited 0 but the runner's result line says FAILED")
     if totals:
         found.append(Finding("runner_totals", "; ".join(totals[:MAX_NAMED])))

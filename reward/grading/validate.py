@@ -111,8 +111,8 @@ async def _outcomes(task: Task, changes: WorkspaceChanges, ctx: RewardContext,
 
 async def validate_row(task: Task, patch: str, repeat: int, ctx: RewardContext) -> RowVerdict:
     """Grade the gold and the empty patch `repeat` times each (see the module docstring)."""
-    verdict = RowVerdict(task.id, False, "", repeat, num_f2p=len(task.fail_to_pass),
-                         num_p2p=len(task.pass_to_pass))
+    verdict = RowVerdict(task.id, False, "", repeat, num_f2p=len(task.grading.fail_to_pass),
+                         num_p2p=len(task.grading.pass_to_pass))
     start = time.monotonic()
     try:
         gold = await asyncio.to_thread(gold_changes, task, patch)
@@ -135,8 +135,8 @@ async def validate_row(task: Task, patch: str, repeat: int, ctx: RewardContext) 
                 verdict.gold_passed += all(o is Outcome.PASSED for o in outcomes.values())
             else:
                 verdict.empty_failed += (
-                    all(outcomes[t] is not Outcome.PASSED for t in task.fail_to_pass)
-                    and all(outcomes[t] is Outcome.PASSED for t in task.pass_to_pass))
+                    all(outcomes[t] is not Outcome.PASSED for t in task.grading.fail_to_pass)
+                    and all(outcomes[t] is Outcome.PASSED for t in task.grading.pass_to_pass))
     verdict.flaky_tests = sorted({f"{t} ({p})" for (p, t), o in seen.items() if len(o) > 1})
     verdict.seconds = round(time.monotonic() - start, 2)
     if problems:
@@ -146,7 +146,7 @@ async def validate_row(task: Task, patch: str, repeat: int, ctx: RewardContext) 
         verdict.reason = f"gold patch leaves tests not passing: {failing[:5]}"
     elif verdict.empty_failed < repeat:
         wrong = sorted(t for (p, t), o in seen.items() if p == "empty" and (
-            (t in task.fail_to_pass) == (Outcome.PASSED in o)))
+            (t in task.grading.fail_to_pass) == (Outcome.PASSED in o)))
         verdict.reason = f"without the fix these tests have the wrong outcome: {wrong[:5]}"
     verdict.valid = not verdict.reason
     return verdict

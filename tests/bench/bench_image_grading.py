@@ -42,8 +42,8 @@ async def main(path: str) -> None:
         total = time.monotonic() - start
         reward = score_run(task, run, partial_credit=False).reward
         totals.append((run.prepare_s, run.start_s, run.tests_s, total))
-        print(f"{task.id}  {row['repo']}  {row.get('bug_kind', '-')}  {len(task.fail_to_pass)}  "
-              f"{len(task.pass_to_pass)}  {reward:.0f}  {run.prepare_s:.2f}  {run.start_s:.2f}  "
+        print(f"{task.id}  {row['repo']}  {row.get('bug_kind', '-')}  {len(task.grading.fail_to_pass)}  "
+              f"{len(task.grading.pass_to_pass)}  {reward:.0f}  {run.prepare_s:.2f}  {run.start_s:.2f}  "
               f"{run.tests_s:.2f}  {total:.2f}", flush=True)
     n = len(totals)
     means = [sum(t[i] for t in totals) / n for i in range(4)]

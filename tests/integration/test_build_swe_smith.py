@@ -46,8 +46,8 @@ def test_built_tasks_load_hide_the_fix_and_validate(tmp_path: Path) -> None:
     assert len(rows) == 2
     tasks = load_tasks(str(tmp_path / "set" / "tasks.jsonl"), cache_dir=str(tmp_path / "cache"))
     for row, task in zip(rows, tasks):
-        assert task.id == row["instance_id"] and task.test_patch is None
-        assert task.fail_to_pass and set(task.fail_to_pass).isdisjoint(task.pass_to_pass)
+        assert task.id == row["instance_id"] and task.grading.test_patch is None
+        assert task.grading.fail_to_pass and set(task.grading.fail_to_pass).isdisjoint(task.grading.pass_to_pass)
         added = [line[1:] for line in row["patch"].splitlines()
                  if line.startswith("+") and not line.startswith("+++") and line[1:].strip()]
         module = Path(task.source_dir or "") / row["bug_location"].split("::")[0]

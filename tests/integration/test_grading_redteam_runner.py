@@ -42,7 +42,7 @@ def runner_task(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Task
     out = tmp_path_factory.mktemp("runner_redteam")
     rows = build_runner_tasks(str(out), images=True, runner="bin/test")
     [task] = [t for t in load_tasks(str(out / "tasks.jsonl")) if t.id == rows[0]["instance_id"]]
-    assert task.workdir == "/testbed" and "bin/test" in (task.test_command or "")
+    assert task.workdir == "/testbed" and "bin/test" in (task.grading.test_command or "")
     yield task, rows[0]["patch"]
     engine = detect_engine()
     for row in rows:

@@ -194,7 +194,7 @@ def test_runner_row_forged_status_line_is_tampering(runner_rows: Path) -> None:
     sandbox_factory("local")
     row = json.loads(runner_rows.read_text().splitlines()[0])
     [task] = [t for t in load_tasks(str(runner_rows)) if t.id == row["instance_id"]]
-    [f2p] = task.fail_to_pass
+    [f2p] = task.grading.fail_to_pass
     forged = Path(task.source_dir or "", "minitext/text.py").read_text() + (
         f"\nimport sys\nprint({f2p + ' ... ok'!r}, file=sys.stderr)\n")
     result = asyncio.run(grade(task, WorkspaceChanges(written={"minitext/text.py":

@@ -19,7 +19,7 @@ from envs.pool import SandboxPool
 from envs.sandbox.base import SandboxLimits, SandboxSpec
 from envs.tools.sandbox_tools import SandboxToolSettings
 from envs.trajectory_env import EnvBuilder, load_tool_classes
-from envs.types import Message, Task, TerminationReason
+from envs.types import GradingSpec, Message, Task, TerminationReason
 
 SMALL = SandboxLimits(memory_mb=256, max_processes=64)
 SETTINGS = SandboxToolSettings(limits=SMALL, exec_timeout_s=1.0, max_observation_tokens=1500)
@@ -65,7 +65,8 @@ def task(tmp_path: Path) -> Task:
         "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n")
     (hidden / "test_hidden_secret.py").write_text("SECRET_HIDDEN = 1\n")
     return Task("fix-add", (Message("user", "Fix add."),), tools=ALL_TOOLS,
-                source_dir=str(source), visible_tests=str(visible), hidden_tests=str(hidden))
+                source_dir=str(source), visible_tests=str(visible),
+                grading=GradingSpec(hidden_tests=str(hidden)))
 
 
 async def test_one_trajectory_uses_every_tool_in_one_workspace(recording: Recording,

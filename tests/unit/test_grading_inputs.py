@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.types import Message, Task
+from envs.types import GradingSpec, Message, Task
 from reward.grading import patch as patch_module
 from reward.grading.driver import verify_stream
 from reward.grading.patch import patched_files
@@ -127,8 +127,8 @@ def _task_with_patch(tmp_path: Path) -> Task:
                           capture_output=True, text=True).stdout
     diff = diff.replace("a/source/", "a/").replace("b/after/", "b/").replace(
         "a/after/", "a/").replace("b/source/", "b/")
-    return Task("t", (Message("user", "x"),), source_dir=str(source), test_patch=diff,
-                fail_to_pass=("tests/test_a.py::test_a",))
+    return Task("t", (Message("user", "x"),), source_dir=str(source),
+                grading=GradingSpec(test_patch=diff, fail_to_pass=("tests/test_a.py::test_a",)))
 
 
 def test_the_test_patch_result_comes_from_the_source_alone(tmp_path: Path,

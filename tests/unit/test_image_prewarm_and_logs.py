@@ -13,7 +13,7 @@ import pytest
 from envs.pool_metrics import PoolMetrics
 from envs.sandbox import images
 from envs.sandbox.engine import ContainerEngine
-from envs.types import Message, Task
+from envs.types import GradingSpec, Message, Task
 from reward.grading.junit import Outcome
 
 FAKE_ENGINE = ContainerEngine("podman", "/fake/podman", "/fake/catatonit")
@@ -78,8 +78,9 @@ def test_prewarm_counts_reach_env_metrics() -> None:
 
 TEST = "test_a (app.tests.T.test_a)"
 RUNNER_TASK = Task("r", (Message("user", "x"),), image="localhost/r", workdir="/testbed",
-                   fail_to_pass=(TEST,), pass_to_pass=("test_b (app.tests.T.test_b)",),
-                   test_command="python3 tests/runtests.py app", log_parser="parse_log_django")
+                   grading=GradingSpec(fail_to_pass=(TEST,), pass_to_pass=("test_b (app.tests.T.test_b)",),
+                                       test_command="python3 tests/runtests.py app",
+                                       log_parser="parse_log_django"))
 
 
 def test_runner_output_statuses_and_forged_lines() -> None:
@@ -104,10 +105,9 @@ def test_runner_output_statuses_and_forged_lines() -> None:
 
 def test_runner_tasks_need_command_and_parser_together() -> None:
     with pytest.raises(ValueError, match="test_command and log_parser go together"):
-        Task("r", (Message("user", "x"),), image="i", workdir="/testbed",
-             fail_to_pass=(TEST,), log_parser="parse_log_django")
+        GradingSpec(fail_to_pass=(TEST,), log_parser="parse_log_django")
     with pytest.raises(ValueError, match="is not a pytest node id"):
-        Task("r", (Message("user", "x"),), image="i", workdir="/testbed", fail_to_pass=(TEST,))
+        GradingSpec(fail_to_pass=(TEST,))
     with pytest.raises(ValueError, match="workdir.*needs an image"):
         Task("r", (Message("user", "x"),), source_dir="/s", workdir="/testbed")
 

@@ -17,7 +17,7 @@ from envs.tools.base import TOOLS, ToolResult, function_schema, load_tool_class
 from envs.tools.sandbox_tools import (SandboxToolSettings, approx_token_count, render_exec_result,
                                       truncate_observation, workspace_relative)
 from envs.trajectory_env import EnvBuilder, TrajectoryEnv, load_tool_classes
-from envs.types import Message, Task, WorkspaceChanges
+from envs.types import GradingSpec, Message, Task, WorkspaceChanges
 
 MARKER = re.compile(r"\n\[\.\.\. (\d+) tokens cut \.\.\.\]\n")
 TASK = Task("t", (Message("user", "fix it"),), tools=("bash", "read_file", "submit"))
@@ -230,7 +230,7 @@ async def test_visible_tests_are_copied_and_checkpointed_but_hidden_ones_are_ref
     provider = FakeProvider()
     envs = builder(provider)
     leaky = Task("t", TASK.messages, tools=("run_tests",), visible_tests=str(visible),
-                 hidden_tests=str(hidden))
+                 grading=GradingSpec(hidden_tests=str(hidden)))
     with pytest.raises(ValueError, match="hidden_tests lies inside visible_tests"):
         await envs.build(leaky).open()
     (hidden / "test_secret.py").unlink()

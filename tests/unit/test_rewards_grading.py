@@ -21,7 +21,7 @@ from reward.grading.patch import patched_paths
 from reward.grading.sentinels import Sentinel
 from reward.grading.hidden_tests import DriverResult, GradingRun, parse_driver_line, score_run
 from reward.workspace import WorkspaceChanges
-from envs.types import HIDDEN_TESTS_DIR, Message, Task
+from envs.types import HIDDEN_TESTS_DIR, GradingSpec, Message, Task
 
 PATCH = """diff --git a/tests/test_core.py b/tests/test_core.py
 --- a/tests/test_core.py
@@ -79,13 +79,14 @@ def source(tmp_path: Path) -> Path:
 
 
 def make_task(source: Path, hidden: Path | None = None, **over: object) -> Task:
-    fields = dict(source_dir=str(source), test_patch=PATCH,
-                  fail_to_pass=("tests/test_core.py::test_new",),
+    """A task on `source` whose grading spec has `over` in place of the defaults below."""
+    fields = dict(test_patch=PATCH, fail_to_pass=("tests/test_core.py::test_new",),
                   pass_to_pass=("tests/test_core.py::test_old",))
     if hidden is not None:
         fields["hidden_tests"] = str(hidden)
     fields.update(over)
-    return Task("t", (Message("user", "fix"),), **fields)  # type: ignore[arg-type]
+    return Task("t", (Message("user", "fix"),), source_dir=str(source),
+                grading=GradingSpec(**fields))  # type: ignore[arg-type]
 
 
 def test_grading_dir_reverts_tests_and_applies_patch(tmp_path: Path, source: Path) -> None:
@@ -219,8 +220,8 @@ def run_of(cases: dict[str, str], sentinel: str = "failed", exit_code: int | Non
                       account)
 
 
-TASK = Task("t", (Message("user", "x"),), source_dir="/s", fail_to_pass=("a.py::f1", "a.py::f2"),
-            pass_to_pass=("a.py::p1",))
+TASK = Task("t", (Message("user", "x"),), source_dir="/s",
+            grading=GradingSpec(fail_to_pass=("a.py::f1", "a.py::f2"), pass_to_pass=("a.py::p1",)))
 ALL_PASS = {"a.py::f1": "passed", "a.py::f2": "passed", "a.py::p1": "passed"}
 
 
@@ -309,7 +310,7 @@ def test_broken_runs_score_zero_as_grading_errors() -> None:
 
 
 def test_hidden_folder_mode_counts_collection_errors_and_never_sentinels() -> None:
-    task = Task("t", (Message("user", "x"),), hidden_tests="/h")
+    task = Task("t", (Message("user", "x"),), grading=GradingSpec(hidden_tests="/h"))
     sentinels = (Sentinel(f"{HIDDEN_TESTS_DIR}/test_a.py::test_1_more", None),)
     cases = {f"{HIDDEN_TESTS_DIR}/test_a.py::test_1": "passed", sentinels[0].node_id: "failed"}
     report = junit(cases).replace(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from envs.types import Message, Task
+from envs.types import GradingSpec, Message, Task
 from reward.grading.junit import Outcome
 from reward.grading.runner_log import read_unittest_log, unittest_key
 from reward.grading.runner_tests import plant_runner_sentinels, runner_files
@@ -54,8 +54,8 @@ P2P = ("test_zero (test_lib.DoubleTests.test_zero)",)
 
 def task_in(folder: Path) -> Task:
     return Task("runner-unit", (Message("user", "fix double"),), source_dir=str(folder),
-                fail_to_pass=F2P, pass_to_pass=P2P, test_command=COMMAND,
-                log_parser="parse_log_django")
+                grading=GradingSpec(fail_to_pass=F2P, pass_to_pass=P2P, test_command=COMMAND,
+                                    log_parser="parse_log_django"))
 
 
 def run(folder: Path, lib: str = LIB) -> tuple[str, int]:
@@ -252,7 +252,8 @@ def test_runner_files_are_the_scripts_the_command_runs(tmp_path: Path) -> None:
 
     def files_of(command: str, workdir: str | None = None) -> frozenset[str]:
         task = Task("r", (Message("user", "x"),), source_dir=str(tmp_path),
-                    fail_to_pass=F2P, test_command=command, log_parser="parse_log_sympy")
+                    grading=GradingSpec(fail_to_pass=F2P, test_command=command,
+                                        log_parser="parse_log_sympy"))
         return runner_files(task)
 
     files = files_of("bin/test -C --verbose pkg/core.py")

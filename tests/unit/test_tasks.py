@@ -13,7 +13,7 @@ from envs.tasks import BUILTIN_SETS, load_tasks
 from envs.tasks.code import all_specs, hidden_test_names
 from envs.tasks.toy import build_toy_arithmetic
 from envs.tools.calculator import evaluate_arithmetic
-from envs.types import HIDDEN_TESTS_DIR, Message, Task
+from envs.types import HIDDEN_TESTS_DIR, GradingSpec, Message, Task
 
 
 def write_rows(path: Path, rows: list) -> str:
@@ -35,8 +35,8 @@ def test_good_rows_become_tasks(tmp_path: Path) -> None:
     a, b = load_tasks(path)
     assert a.messages == (Message("system", "Be brief."), Message("user", "What is 2+2?"))
     assert (a.answer, a.tools, a.source_dir) == ("4", ("calculator",), None)
-    assert b.source_dir == str(tmp_path / "repo") and b.hidden_tests == str(tmp_path / "hidden")
-    assert b.fail_to_pass == ("_sluice_hidden/test_x.py::test_a",)
+    assert b.source_dir == str(tmp_path / "repo") and b.grading.hidden_tests == str(tmp_path / "hidden")
+    assert b.grading.fail_to_pass == ("_sluice_hidden/test_x.py::test_a",)
     assert b.reward_fn == "reward.grading.hidden_tests:HiddenTests" and b.image is None
 
 
@@ -103,17 +103,22 @@ def test_parquet_rows_load_like_jsonl(tmp_path: Path) -> None:
 def test_task_validates_test_fields() -> None:
     msgs = (Message("user", "x"),)
     # Lists are accepted and normalised to tuples (rows arrive as JSON lists).
-    task = Task("t", list(msgs), fail_to_pass=["a.py::t1"],  # type: ignore[arg-type]
-                pass_to_pass=["a.py::t2"], source_dir="/src")  # type: ignore[arg-type]
-    assert task.messages == msgs and task.fail_to_pass == ("a.py::t1",)
+    grading = GradingSpec(fail_to_pass=["a.py::t1"], pass_to_pass=["a.py::t2"])  # type: ignore[arg-type]
+    task = Task("t", list(msgs), source_dir="/src", grading=grading)  # type: ignore[arg-type]
+    assert task.messages == msgs and task.grading.fail_to_pass == ("a.py::t1",)
+    assert task.grading.expected_tests == ("a.py::t1", "a.py::t2")
     with pytest.raises(ValueError, match="in both fail_to_pass and pass_to_pass"):
-        Task("t", msgs, fail_to_pass=("a.py::t",), pass_to_pass=("a.py::t",), source_dir="/s")
+        GradingSpec(fail_to_pass=("a.py::t",), pass_to_pass=("a.py::t",))
     with pytest.raises(ValueError, match="lists a test twice"):
-        Task("t", msgs, fail_to_pass=("a.py::t", "a.py::t"), source_dir="/s")
+        GradingSpec(fail_to_pass=("a.py::t", "a.py::t"))
     with pytest.raises(ValueError, match="not a string"):
-        Task("t", msgs, fail_to_pass="a.py::t", source_dir="/s")  # type: ignore[arg-type]
+        GradingSpec(fail_to_pass="a.py::t")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="test_patch is empty"):
-        Task("t", msgs, test_patch=" ", source_dir="/s")
+        GradingSpec(test_patch=" ")
+    with pytest.raises(ValueError, match="names tests but has no source_dir"):
+        Task("t", msgs, grading=GradingSpec(fail_to_pass=("a.py::t",)))
+    with pytest.raises(ValueError, match="grading must be a GradingSpec"):
+        Task("t", msgs, grading={"fail_to_pass": ["a.py::t"]})  # type: ignore[arg-type]
 
 
 def test_toy_generator_is_deterministic_and_right() -> None:
@@ -151,9 +156,9 @@ def test_code_task_set_layout(tmp_path: Path) -> None:
     for task in tasks:
         spec = specs[task.id.split("/", 1)[1]]
         assert task.reward_fn == "reward.grading.hidden_tests:HiddenTests"
-        assert task.fail_to_pass == tuple(f"{HIDDEN_TESTS_DIR}/{spec.hidden_file}::{t}"
+        assert task.grading.fail_to_pass == tuple(f"{HIDDEN_TESTS_DIR}/{spec.hidden_file}::{t}"
                                           for t in hidden_test_names(spec.hidden_tests))
-        folders = [Path(p) for p in (task.source_dir, task.visible_tests, task.hidden_tests)]
+        folders = [Path(p) for p in (task.source_dir, task.visible_tests, task.grading.hidden_tests)]
         assert [sorted(p.name for p in f.iterdir()) for f in folders] == [
             [spec.module], [spec.visible_file], [spec.hidden_file]]
         assert (folders[0] / spec.module).read_text() == spec.stub

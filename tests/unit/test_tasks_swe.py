@@ -53,7 +53,7 @@ def test_row_becomes_task_on_a_fresh_single_commit_repo(tmp_path: Path,
     [task] = load_tasks(str(tmp_path / "swe.jsonl"), cache_dir=str(tmp_path / "cache"))
     src = Path(task.source_dir or "")
     assert task.id == "demo__calc-7" and task.reward_fn == "reward.grading.hidden_tests:HiddenTests"
-    assert task.fail_to_pass == ("t/test_v.py::test_value",) and task.pass_to_pass == ()
+    assert task.grading.fail_to_pass == ("t/test_v.py::test_value",) and task.grading.pass_to_pass == ()
     assert "VALUE should be 2." in task.messages[-1].content
     assert "gold patch" not in "".join(m.content for m in task.messages)
     assert (src / "pkg" / "mod.py").read_text() == "VALUE = 1\n"  # export-ignore ignored

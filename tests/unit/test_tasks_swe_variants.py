@@ -56,8 +56,8 @@ def test_swebench_row_lists_or_json_strings(repo: tuple[Path, str], lists_as_jso
     folder, base = repo
     path = write_jsonl(folder / "swe.jsonl", [swebench_row(base, lists_as_json)])
     [task] = load_tasks(path, cache_dir=str(folder / "cache"))
-    assert task.fail_to_pass == ("t/test_v.py::test_value",)
-    assert task.pass_to_pass == ("t/test_v.py::test_other",)
+    assert task.grading.fail_to_pass == ("t/test_v.py::test_value",)
+    assert task.grading.pass_to_pass == ("t/test_v.py::test_other",)
     assert task.image is None and (Path(task.source_dir or "") / "calc.py").read_text() == "VALUE = 1\n"
     assert_no_gold(task)
     source = Path(task.source_dir or "")
@@ -89,7 +89,7 @@ def test_swe_smith_row_names_its_image_and_needs_no_test_patch(tmp_path: Path) -
            "problem_statement": "VALUE is wrong.", "created_at": "2025-01-01"}
     [task] = load_tasks(write_jsonl(tmp_path / "smith.jsonl", [row]))
     assert task.image == "jyangballin/swesmith.x86_64.demo_1776_calc.abc123"
-    assert task.source_dir is None and task.test_patch is None  # the repo is in the image
+    assert task.source_dir is None and task.grading.test_patch is None  # the repo is in the image
     assert_no_gold(task)
 
 
@@ -113,14 +113,14 @@ def test_local_row_without_test_patch_must_say_so(repo: tuple[Path, str]) -> Non
         load_tasks(write_jsonl(folder / "a.jsonl", [row]), cache_dir=str(folder / "c"))
     row["test_patch"] = ""  # the repository's own tests grade it (SWE-smith style)
     [task] = load_tasks(write_jsonl(folder / "b.jsonl", [row]), cache_dir=str(folder / "c"))
-    assert task.test_patch is None
+    assert task.grading.test_patch is None
 
 
 def test_documented_example_rows_load() -> None:
     example = Path(__file__).parents[2] / "docs" / "examples" / "swe_rows.jsonl"
     smith, r2e = load_tasks(str(example))
-    assert smith.image and smith.test_patch is None and smith.pass_to_pass
-    assert r2e.id == r2e.image == "r2e.demo_calc:5e6f7a8b" and r2e.test_patch
+    assert smith.image and smith.grading.test_patch is None and smith.grading.pass_to_pass
+    assert r2e.id == r2e.image == "r2e.demo_calc:5e6f7a8b" and r2e.grading.test_patch
 
 
 def test_documented_image_rows_load_as_image_only_tasks() -> None:
@@ -132,12 +132,12 @@ def test_documented_image_rows_load_as_image_only_tasks() -> None:
         assert task.source_dir is None and task.workdir == "/testbed" and task.image
         assert "/testbed" in task.messages[0].content and "/testbed" in task.messages[1].content
         assert_no_gold(task)
-    assert smith.log_parser is None and smith.test_command is None
-    assert runner.log_parser == "parse_log_django"
+    assert smith.grading.log_parser is None and smith.grading.test_command is None
+    assert runner.grading.log_parser == "parse_log_django"
     # The command between SWE-bench's markers, not the reset and patch lines around it.
-    assert runner.test_command == ("python3 tests/runtests.py --verbosity 2 "
+    assert runner.grading.test_command == ("python3 tests/runtests.py --verbosity 2 "
                                    "text_tests.tests text_tests.test_regressions")
-    assert runner.fail_to_pass[0].startswith("test_strips_edges (text_tests.")
+    assert runner.grading.fail_to_pass[0].startswith("test_strips_edges (text_tests.")
 
 
 def test_runner_row_needs_its_command_and_a_parser(tmp_path: Path) -> None:
@@ -152,7 +152,7 @@ def test_runner_row_needs_its_command_and_a_parser(tmp_path: Path) -> None:
         load_tasks(write_jsonl(tmp_path / "b.jsonl", [row]))
     row["eval_script"] = ": '>>>>> Start Test Output'\npython3 run.py\n: '>>>>> End Test Output'"
     [task] = load_tasks(write_jsonl(tmp_path / "c.jsonl", [row]))
-    assert task.test_command == "python3 run.py" and task.fail_to_pass == ("test_a (m.C.test_a)",)
+    assert task.grading.test_command == "python3 run.py" and task.grading.fail_to_pass == ("test_a (m.C.test_a)",)
     row["workdir"] = "relative"
     with pytest.raises(ValueError, match=r"field 'workdir': is the absolute path"):
         load_tasks(write_jsonl(tmp_path / "d.jsonl", [row]))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from envs.types import NO_VERSION, Group, Message, Task, TerminationReason, ToolCall, Trajectory
+from envs.types import NO_VERSION, GradingSpec, Group, Message, Task, TerminationReason, ToolCall, Trajectory
 
 
 def make_traj(index=0, reward=None, group_id="g0", **over):
@@ -86,3 +88,32 @@ def test_types_are_slotted():
     t = make_traj()
     with pytest.raises((AttributeError, TypeError)):
         t.extra = 1  # type: ignore[attr-defined]
+
+
+def test_grading_fields_under_their_old_names_still_work_with_a_warning():
+    # The shim of one release (envs.types.Task): the fields that moved to GradingSpec, as
+    # Task keywords and attributes, give the same Task as the new spelling, and warn.
+    msgs = (Message("user", "fix it"),)
+    new = Task("t", msgs, source_dir="/src", grading=GradingSpec(
+        test_patch="diff --git a/t.py b/t.py\n", fail_to_pass=("t.py::test_a",),
+        pass_to_pass=("t.py::test_b",)))
+    with pytest.warns(DeprecationWarning, match=r"grading=GradingSpec\(test_patch=\.\.\., fail_to_pass="):
+        old = Task("t", msgs, source_dir="/src", test_patch="diff --git a/t.py b/t.py\n",  # type: ignore[call-arg]
+                   fail_to_pass=["t.py::test_a"], pass_to_pass=("t.py::test_b",))
+    assert old == new and old.grading == new.grading
+    with pytest.warns(DeprecationWarning, match=r"read task\.grading\.fail_to_pass"):
+        assert old.fail_to_pass == ("t.py::test_a",)
+    # Old keywords beside grading= (what dataclasses.replace passes) replace those fields.
+    with pytest.warns(DeprecationWarning):
+        moved = dataclasses.replace(new, pass_to_pass=())  # type: ignore[call-arg]
+    assert moved.grading == dataclasses.replace(new.grading, pass_to_pass=())
+    assert moved.source_dir == "/src" and moved.grading.fail_to_pass == ("t.py::test_a",)
+    # The old spelling is still checked like the new one.
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="lists a test twice"):
+        Task("t", msgs, source_dir="/src", fail_to_pass=("t.py::a", "t.py::a"))  # type: ignore[call-arg]
+
+
+def test_task_fields_after_agent_loop_are_keyword_only():
+    # A positional source_dir (its old place) fails loudly instead of landing in reward_fn.
+    with pytest.raises(TypeError, match="positional"):
+        Task("t", (Message("user", "x"),), (), None, None, "/src")  # type: ignore[misc]

@@ -28,7 +28,7 @@ from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
 from rollout.recorder import Budgets
 from rollout.router import Router
-from envs.types import Message, Task, TerminationReason, Trajectory
+from envs.types import GradingSpec, Message, Task, TerminationReason, Trajectory
 from rollout.worker import AgentLoopWorker
 
 
@@ -174,7 +174,7 @@ def trajectory(index: int) -> Trajectory:
 async def test_hidden_tests_score_an_uncaptured_workspace_zero_without_grading(
         tmp_path: Path) -> None:
     task = Task("fix", (Message("user", "Fix it."),), source_dir=str(tmp_path),
-                fail_to_pass=("test_fix.py::test_it",))
+                grading=GradingSpec(fail_to_pass=("test_fix.py::test_it",)))
 
     async def no_sandbox(spec):
         raise AssertionError("an uncaptured workspace must not be graded")
@@ -188,7 +188,8 @@ async def test_hidden_tests_score_an_uncaptured_workspace_zero_without_grading(
 
 async def test_the_reward_loop_passes_the_workspace_to_the_task_reward_fn(tmp_path: Path) -> None:
     task = Task("fix", (Message("user", "Fix it."),), source_dir=str(tmp_path),
-                fail_to_pass=("test_fix.py::test_it",), reward_fn="reward.grading.hidden_tests:HiddenTests")
+                grading=GradingSpec(fail_to_pass=("test_fix.py::test_it",)),
+                reward_fn="reward.grading.hidden_tests:HiddenTests")
     loop = RewardLoop("reward.rules:ExactMatch", lambda ids: "", timeout_s=30.0,
                       max_concurrency=2)
     # HiddenTests only answers without a grading sandbox when it was given this workspace.

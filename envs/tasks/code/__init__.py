@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from envs.cache import build_once, default_cache_dir
-from envs.types import HIDDEN_TESTS_DIR, Message, Task
+from envs.types import HIDDEN_TESTS_DIR, GradingSpec, Message, Task
 
 SET_NAME = "code_functions"
 TOOLS = ("bash", "read_file", "write_file", "str_replace", "run_tests", "submit")
@@ -121,7 +121,7 @@ def task_of(spec: CodeTaskSpec, root: str) -> Task:
                                                         module=spec.module))),
                 tools=TOOLS, source_dir=os.path.join(folder, "source"),
                 visible_tests=os.path.join(folder, "visible"),
-                hidden_tests=os.path.join(folder, "hidden"), fail_to_pass=ids,
+                grading=GradingSpec(hidden_tests=os.path.join(folder, "hidden"), fail_to_pass=ids),
                 reward_fn="reward.grading.hidden_tests:HiddenTests")
 
 
