@@ -97,6 +97,14 @@ def test_the_run_reaches_the_train_side_only_through_its_entry_points():
     assert bad == []
 
 
+def test_nothing_in_trainer_imports_its_entry_point_or_shims():
+    # trainer's top-level modules (main, the CLI shims) sit above trainer.run: one way.
+    top = {n for n in _modules() if unit_of(n) == "trainer"} - {"trainer"}
+    bad = [f"{name} imports {imported}" for name, tree in _modules().items()
+           if unit_of(name) in (TRAIN, RUN) for imported in _imports(tree) if imported in top]
+    assert bad == []
+
+
 def test_trainer_reaches_reward_only_through_rollout():
     # The reward loop runs in the agent-loop worker: rollout composes the reward section
     # (rollout.config) and hosts its plug-in point (rollout.reward_plugins).
