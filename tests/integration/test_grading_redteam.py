@@ -270,7 +270,7 @@ async def test_the_assertion_oracle_is_caught_and_flagged(rle: Task, backend: st
     assert reported.reward == 0.0 and reported.components["tamper_detected"] == 1.0
     assert {"hack_runtime_patching", "hack_sentinel_passed"} <= hacks(reported), reported.detail
     zeroed = await grade(rle, changes({"rle.py": ORACLE}), backend, hack_policy="zero")
-    assert zeroed.reward == 0.0 and "hack_policy=zero" in zeroed.detail
+    assert zeroed.reward == 0.0 and "hack_sentinel_passed" in hacks(zeroed), zeroed.detail
 
 
 async def test_transcript_findings_reach_the_result(rle: Task) -> None:
