@@ -18,8 +18,13 @@ quickstart: setup
 	$(PY) -m trainer.main recipe=quickstart.yaml
 	$(PY) -m launch.report --latest runs --wandb
 
+# Parallel workers (pytest-xdist): the suite waits more than it computes (engine starts,
+# sandboxes, subprocesses), so 3 workers keep 2 cores busy; each file runs on one worker
+# (tests/conftest.py), slowest first. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 3
 test: setup
-	$(PY) -m pytest tests/unit tests/integration -q --durations=30
+	$(PY) -m pytest tests/unit tests/integration -q --durations=30 \
+	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

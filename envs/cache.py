@@ -1,13 +1,18 @@
 """Where everything sluice builds on this host lives (bundled code tasks written out, SWE base
 snapshots exported), and how they are built: into a temporary sibling, then renamed into
-place, so a folder that exists is complete even if a builder crashed or raced another."""
+place, so a folder that exists is complete even if a builder crashed or raced another.
+Builds that replace an outdated folder hold `build_lock` instead, so that concurrent
+builders (parallel test workers, two runs) wait for the first and never replace a folder
+another process is reading."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -38,3 +43,17 @@ def build_once(dest: str, build: Callable[[str], None]) -> str:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+@contextmanager
+def build_lock(dest: str | os.PathLike[str]) -> Generator[None, None, None]:
+    """Held while `dest` is checked and built: an exclusive flock on `<dest>.lock`, which
+    the kernel drops if the holder dies, so a crashed builder never blocks the next."""
+    lock = f"{os.fspath(dest)}.lock"
+    os.makedirs(os.path.dirname(lock) or ".", exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock

@@ -31,6 +31,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from envs.cache import build_lock
 from envs.sandbox.base import ExecResult
 from envs.tasks.toy import PROMPT, build_toy_arithmetic, build_toy_arithmetic_easy
 from envs.tools.sandbox_tools import PythonTool, render_exec_result
@@ -101,11 +102,12 @@ def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     demos = build_demonstrations(task_set, max_observation_tokens, count)
     out = cache_root / f"warm-{demonstrations_key(base_path, demos, steps)}"
-    if (out / "config.json").is_file():
-        return out
-    chat = build_continuity_builder(tokenizer, "auto")
-    examples = [build_sft_example(tokenizer, chat, d) for d in demos]
-    result = run_sft(base_path, out, examples, steps=steps, batch_size=32)
+    with build_lock(out):  # concurrent runs: one trains, the others wait and reuse it
+        if (out / "config.json").is_file():
+            return out
+        chat = build_continuity_builder(tokenizer, "auto")
+        examples = [build_sft_example(tokenizer, chat, d) for d in demos]
+        result = run_sft(base_path, out, examples, steps=steps, batch_size=32)
     log.info("warm start: loss %.3f -> %.3f in %.1fs", result.first_loss, result.last_loss,
              result.seconds)
     return out

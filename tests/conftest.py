@@ -1,27 +1,85 @@
-"""Shared fixtures and the marker policy: tests under integration/ and gpu/ are marked
-by folder, so `pytest tests/unit` stays fast and `-m "not integration"` works anywhere."""
+"""Shared fixtures, the marker policy and how parallel workers (pytest-xdist) share out the
+suite.
+
+Markers: tests under integration/ and gpu/ are marked by folder, so `pytest tests/unit`
+stays fast and `-m "not integration"` works anywhere.
+
+Parallel runs (`make test`: `-n 3 --dist loadfile`): each file is one unit of work, so its
+module-scoped fixtures (a vLLM engine, a Ray cluster, a whole run several checks read)
+start once, on one worker; checks that share a fixture live in one file. Not `loadgroup`:
+with pytest 9.2 (a structured node id), pytest-xdist 3.8's `xdist_group` suffix is never
+seen and every test is scheduled alone. Files start slowest first (SLOW_FIRST), so that
+the long whole-system runs do not start last and set the wall time alone. Each worker gets
+a Ray temp folder of its own: `ray.cluster_utils.Cluster` writes its cluster's address
+there, and a plain `ray.init()` in another worker would otherwise join that cluster."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
 
+# Files by their last measured duration (s, serial run), longest first; the rest follow
+# in collection order. Only the order of starting depends on this list.
+SLOW_FIRST = (
+    "integration/test_stop_and_resume.py",  # 151: three real trainer.main starts
+    "integration/test_async_loop.py",  # 118 (+ its report, formerly a 58 s run of its own)
+    "integration/test_faults.py",  # 89: two whole runs
+    "integration/test_example_my_agent_run.py",  # 63
+    "integration/test_hack_metrics.py",  # 60
+    "integration/test_grading_gold.py",  # 52
+    "integration/test_multinode.py",  # 49
+    "integration/test_rollout_e2e.py",
+    "integration/test_engine_tp.py",  # 34
+    "integration/test_checkpoint_resume.py",  # 33
+)
+
+
+def _file_of(item: pytest.Item) -> str:
+    """The file of `item` relative to tests/ (a posix path)."""
+    return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
-        if parts[0] == "integration":
+        path = _file_of(item)
+        if path.startswith("integration/"):
             item.add_marker(pytest.mark.integration)
-        elif parts[0] == "gpu":
+        elif path.startswith("gpu/"):
             item.add_marker(pytest.mark.gpu)
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    # sort is stable: within a file (and among unlisted files) collection order stays
+    items.sort(key=lambda item: rank.get(_file_of(item), len(rank)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and "RAY_TMPDIR" not in os.environ:
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "run")[:8]
+        # Short: Ray's socket paths under it are capped at 107 characters.
+        folder = os.path.join(tempfile.gettempdir(), f"sluice-ray-{run}-{worker}")
+        os.makedirs(folder, exist_ok=True)
+        os.environ["RAY_TMPDIR"] = folder
+        config.stash[_RAY_TMPDIR] = folder
+
+
+_RAY_TMPDIR = pytest.StashKey[str]()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_RAY_TMPDIR, None)
+    if folder is not None:  # this worker's clusters are shut down: only their logs are left
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
-    """The cached tiny model (built on first use)."""
+    """The cached tiny model (built on first use; workers that need it meanwhile wait)."""
     from trainer.run.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()

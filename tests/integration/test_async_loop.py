@@ -1,20 +1,30 @@
-"""The whole system on this machine, shortened: real Ray pools, a real vLLM engine, real
-sandboxes running the python tool, DeepSpeed, the replay buffer and the controller.
-Asserts on every batch: mask/logprob/version invariants, staleness <= eta at train time;
-on the run: token continuity of every trajectory (agent.continuity_check), the
-accounting identity (checked by the controller every step), metric keys, transcripts, a
-resumable checkpoint, and that RL raised the held-out reward above the warm-started
-model's, both measured in this run (eval.tasks before the first step and after the last)."""
+"""The whole system on this machine, shortened, started once for every check below (the
+`short_run` fixture): real Ray pools, a real vLLM engine, real sandboxes running the python
+tool, DeepSpeed, the replay buffer and the controller.
+
+- Every batch as it reaches the trainer: mask/logprob/version invariants, staleness <= eta.
+- The run: token continuity of every trajectory (agent.continuity_check), the accounting
+  identity (checked by the controller every step), metric keys, transcripts, a resumable
+  checkpoint, and that RL raised the held-out reward above the warm-started model's, both
+  measured in this run (eval.tasks before the first step and after the last).
+- Its run report (launch.report): every trained turn on the timeline under its step, every
+  push, and every plot rendered in a real browser (tests/integration/browser.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pytest
 
-from quickstart_run import quickstart_config
+from browser import check_in_browser, needs_chromium
 from envs.types import NO_VERSION, TerminationReason
+from quickstart_run import quickstart_config
+from trainer.run.config import SluiceConfig
+from trainer.run.controller import RunSummary
 
 EXPECTED_KEYS = {
     "perf/rollout_idle_ratio", "perf/trainer_idle_ratio", "perf/weight_sync_s", "staleness/mean",
@@ -30,15 +40,30 @@ NUM_STEPS = 20  # about a minute here; the quickstart's held-out reward rises ~0
 RL_RECIPE = ("train.group_size=8", "train.groups_per_step=4")  # the quickstart's own groups
 
 
-def test_short_async_run_keeps_every_invariant_and_raises_reward(tmp_path):
+@dataclass(slots=True)
+class ShortRun:
+    """What the run returned, where it wrote, and the (version, num groups) of each batch
+    the trainer was handed."""
+
+    cfg: SluiceConfig
+    summary: RunSummary
+    run_dir: Path
+    batches: list[tuple[int, int]]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> ShortRun:
+    """The run, with every batch checked as the trainer gets it: a violation fails the
+    run, and so every test of this module."""
     from trainer.run.system import run
 
-    cfg = quickstart_config(tmp_path, "short", f"train.num_steps={NUM_STEPS}", *RL_RECIPE,
+    cfg = quickstart_config(tmp_path_factory.mktemp("short_run"), "short",
+                            f"train.num_steps={NUM_STEPS}", *RL_RECIPE,
                             "agent.continuity_check=true", "checkpoint.every_steps=10",
                             "eval.tasks=toy_arithmetic_easy_heldout", "eval.num_tasks=64",
                             "eval.samples_per_task=2")
     eta = cfg.buffer.max_staleness
-    seen: list[tuple[int, int]] = []
+    batches: list[tuple[int, int]] = []
 
     def check_batch(groups, version):
         assert len(groups) == cfg.train.groups_per_step
@@ -53,10 +78,15 @@ def test_short_async_run_keeps_every_invariant_and_raises_reward(tmp_path):
                 assert t.staleness(version) <= eta
                 assert t.reward is not None
                 assert sum(turn.num_generated for turn in t.turns) == model.sum()
-        seen.append((version, len(groups)))
+        batches.append((version, len(groups)))
 
     summary, run_dir = asyncio.run(run(cfg, "short", on_batch=check_batch))
-    assert summary.steps == NUM_STEPS and [v for v, _ in seen] == list(range(NUM_STEPS))
+    return ShortRun(cfg, summary, run_dir, batches)
+
+
+def test_short_async_run_keeps_every_invariant_and_raises_reward(short_run: ShortRun):
+    summary, run_dir, eta = short_run.summary, short_run.run_dir, short_run.cfg.buffer.max_staleness
+    assert summary.steps == NUM_STEPS and [v for v, _ in short_run.batches] == list(range(NUM_STEPS))
     assert summary.admitted == summary.trained + sum(summary.dropped.values()) + \
         summary.running + summary.buffered
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -73,3 +103,27 @@ def test_short_async_run_keeps_every_invariant_and_raises_reward(tmp_path):
     before, after = summary.eval_rewards[0], summary.eval_rewards[NUM_STEPS]
     print(f"held-out reward: before RL {before:.3f}, after {NUM_STEPS} steps {after:.3f}")
     assert after > before, f"RL did not raise the held-out reward ({before:.3f} -> {after:.3f})"
+
+
+@needs_chromium
+def test_its_report_joins_its_events_and_renders(short_run: ShortRun):
+    from launch.report import ReportOptions, build_part, main
+    from launch.report_data import load_run
+
+    cfg, run_dir = short_run.cfg, short_run.run_dir
+    run = load_run(run_dir)
+    train_rows = [r for r in run.metrics if "reward/mean" in r]
+    assert run.problems == [] and len(train_rows) == NUM_STEPS
+    per_step = cfg.train.group_size * cfg.train.groups_per_step
+    for row in train_rows:  # every trained turn is on the timeline, under its step
+        step = int(row["step"])
+        turns = [u for u in run.events.turns if u.step == step]
+        assert len(turns) == round(row["rollout/turns"] * per_step)
+        assert len({u.traj for u in turns}) == per_step
+        assert sum(u.tokens for u in turns) == row["rollout/tokens_generated"]
+    assert [p.version for p in run.events.pushes] == list(range(1, NUM_STEPS + 1))
+    assert main(["--latest", str(run_dir.parent)]) == 0  # what `make quickstart` runs
+    page = run_dir / "report.html"
+    expected = {p.key for p in build_part(run, ReportOptions()).panels}
+    assert "timeline_engine" in expected
+    check_in_browser(page, expected, run_dir.parent / "report-real.png")

@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import signal
-import tempfile
 import threading
 
 import pytest
@@ -51,7 +50,8 @@ def _kill_one_engine() -> int:
 
 
 class WorkspaceWiper(threading.Thread):
-    """Removes every live sandbox workspace under `root` a few times a second."""
+    """Removes every live sandbox workspace under `root` (the test's own temp folder: its
+    run's sandboxes only, never another run's on this machine) a few times a second."""
 
     def __init__(self, root: str) -> None:
         super().__init__(daemon=True)
@@ -70,7 +70,7 @@ class WorkspaceWiper(threading.Thread):
                     pass  # released meanwhile, or not mounted yet
 
 
-def test_a_killed_engine_and_vanishing_sandboxes_do_not_stop_the_run(tmp_path):
+def test_a_killed_engine_and_vanishing_sandboxes_do_not_stop_the_run(tmp_path, own_tmpdir):
     from trainer.run.system import run
 
     cfg = quickstart_config(tmp_path, "faults", "train.num_steps=4", "rollout.num_engines=2")
@@ -80,7 +80,7 @@ def test_a_killed_engine_and_vanishing_sandboxes_do_not_stop_the_run(tmp_path):
         if version == 1 and not killed:
             killed.append(_kill_one_engine())
 
-    wiper = WorkspaceWiper(tempfile.gettempdir())
+    wiper = WorkspaceWiper(str(own_tmpdir))
     wiper.start()
     try:
         summary, run_dir = asyncio.run(run(cfg, "faults", on_batch=inject))

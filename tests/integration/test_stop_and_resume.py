@@ -57,9 +57,11 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: f
     pytest.fail(f"no step {step} within {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
 
 
-def sandbox_mounts() -> list[str]:
+def sandbox_mounts(root: Path) -> list[str]:
+    """The sandbox mounts under `root`: the test's own temp folder (own_tmpdir), which its
+    runs' sandboxes use; other runs on this machine mount elsewhere."""
     with open("/proc/self/mounts") as f:
-        return [line for line in f if "sluice" in line]
+        return [line for line in f if f" {root}/" in line]
 
 
 def process_tree(root: int) -> set[int]:
@@ -93,27 +95,29 @@ def alive(pids: set[int]) -> list[str]:
 
 
 def assert_nothing_left(run_pids: set[int], run_mounts: list[str], timeout_s: float = 60) -> None:
-    """None of the run's processes lives, and none of the mounts made while it ran."""
+    """None of the run's processes lives, and none of the mounts it made."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left, mounts = alive(run_pids), [m for m in sandbox_mounts() if m in run_mounts]
+        left = alive(run_pids)
+        with open("/proc/self/mounts") as f:
+            mounts = [m for m in f if m in run_mounts]
         if (not left and not mounts) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert left == [] and mounts == []
 
 
-def snapshot(proc: subprocess.Popen, mounts_before: list[str]) -> tuple[set[int], list[str]]:
-    """The run's processes and the sandbox mounts made since it started."""
-    return process_tree(proc.pid), [m for m in sandbox_mounts() if m not in mounts_before]
+def snapshot(proc: subprocess.Popen, root: Path) -> tuple[set[int], list[str]]:
+    """The run's processes and its sandbox mounts now."""
+    return process_tree(proc.pid), sandbox_mounts(root)
 
 
-def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_path):
+def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_path, own_tmpdir):
     run_dir = tmp_path / "stoppable"
-    mounts_before = sandbox_mounts()
+    assert sandbox_mounts(own_tmpdir) == []
     proc = start(tmp_path, 200)
     wait_for_step(proc, run_dir, 1)
-    pids, mounts = snapshot(proc, mounts_before)
+    pids, mounts = snapshot(proc, own_tmpdir)
     assert len(pids) > 5 and mounts  # Ray's processes, the engine, sandboxes with mounts
     os.kill(proc.pid, signal.SIGINT)  # one Ctrl-C is enough (SIGTERM takes the same path)
     out, _ = proc.communicate(timeout=90)
@@ -127,7 +131,7 @@ def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_p
 
     proc = start(tmp_path, 200, "checkpoint.resume_from=latest")  # resume 1, then SIGKILL
     wait_for_step(proc, run_dir, max(r["step"] for r in first) + 1)
-    pids, mounts = snapshot(proc, mounts_before)
+    pids, mounts = snapshot(proc, own_tmpdir)
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its Ray processes and mounts stay
     proc.wait(timeout=30)
     killed_at = max(r["step"] for r in metric_rows(run_dir))

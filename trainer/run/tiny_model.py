@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from envs.cache import default_cache_dir
+from envs.cache import build_lock, default_cache_dir
 
 # Bump when anything below changes what is built: the cache key includes it.
 BUILD_VERSION = 1
@@ -152,8 +152,9 @@ def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
     """Path of the cached tiny model, building it first if it is missing or outdated."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     path = root / "models" / f"tiny-qwen2-{_build_key()}"
-    if not (path / "sluice_build.json").is_file():
-        build_tiny_model(path)
+    with build_lock(path):  # parallel test workers: one builds, the others wait for it
+        if not (path / "sluice_build.json").is_file():
+            build_tiny_model(path)
     return path
 
 
