@@ -301,6 +301,7 @@ class Gateway:
     async def _complete(self, session: GatewaySession, request: TurnRequest) -> TurnReply:
         self._check_open(session)
         extra_stops = self._stop_ids_of(request.stop)  # refused before anything is recorded
+        self._temperature_top_p(request)
         rec = await self._place_request(session, request)
         try:
             out = await self._generate(session, rec, request, extra_stops)
@@ -430,9 +431,7 @@ class Gateway:
             raise ProtocolError(400, "the conversation fills the model's context or response budget",
                                 "context_length_exceeded", reason=ErrorReason.CONTEXT)
         s = self.settings
-        trust = s.trust_request_sampling
-        temperature = request.temperature if trust and request.temperature is not None else s.temperature
-        top_p = request.top_p if trust and request.top_p is not None else s.top_p
+        temperature, top_p = self._temperature_top_p(request)
         sampling = Sampling(max_new_tokens=min(room, request.max_tokens or room), temperature=temperature,
                             top_p=top_p, top_k=s.top_k, stop_token_ids=self._stop_ids + extra_stops)
         started_at = time.time()
@@ -442,6 +441,17 @@ class Gateway:
                                               rec.context_ids, sampling)
         rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
         return turn.output
+
+    def _temperature_top_p(self, request: TurnRequest) -> tuple[float, float]:
+        """The recipe's sampling, or the request's where trust_request_sampling is on."""
+        s = self.settings
+        trust = s.trust_request_sampling
+        temperature = request.temperature if trust and request.temperature is not None else s.temperature
+        top_p = request.top_p if trust and request.top_p is not None else s.top_p
+        if top_p <= 0:  # the protocols allow 0; the engine samples only with top_p in (0, 1]
+            raise ProtocolError(400, "'top_p' must be above 0 for this gateway (it samples with the request's "
+                                     "top_p)", param="top_p")
+        return temperature, top_p
 
     def _stop_ids_of(self, stops: Sequence[str]) -> tuple[int, ...]:
         """Stop strings that are one token stop the engine there (the token is kept, as a

@@ -593,6 +593,13 @@ async def test_every_refusal_is_counted_by_reason(tokenizer, chat):
     with pytest.raises(ProtocolError) as failed:
         await failing.handle("openai", session.id, session.token, None, chunks_of(json.dumps({"messages": HEAD}).encode()))
     assert failed.value.status == 500 and "engine died" in failed.value.message
+    trusting, engine = small_gateway(tokenizer, chat, trust_request_sampling=True)
+    session = trusting.open_session("t", "g", 0)
+    with pytest.raises(ProtocolError, match="top_p") as zero:  # the protocol allows it, the engine does not
+        await ask(trusting, session, {"messages": HEAD, "top_p": 0})
+    assert zero.value.status == 400 and engine.prompts == []
+    await ask(trusting, session, {"messages": HEAD, "top_p": 0.5})  # nothing was recorded: the first segment
+    assert trusting.stats().num_prefix_breaks == 0
     stats = gateway.stats()
     assert stats.num_requests == 8 and stats.num_errors == 8
     assert stats.errors_by_reason == {"auth": 4, "malformed": 2, "invalid": 1, "unsupported": 1}
