@@ -1,5 +1,5 @@
-"""Core data passed between stages: Task -> Trajectory (with Turns) -> Group; and the
-agent's final WorkspaceChanges, which stay on the worker that grades them.
+"""Core data passed between stages: Task (with its GradingSpec) -> Trajectory (with Turns)
+-> Group; and the agent's final WorkspaceChanges, which stay on the worker that grades them.
 
 This module is the bottom layer with `envs.plugins` and `envs.knobs`: every package may
 import it and it imports nothing else from the project. Per-token arrays are numpy arrays that share
@@ -151,7 +151,7 @@ NO_GRADING = GradingSpec()  # the spec of a task graded by no tests
 
 # The fields that moved from Task into GradingSpec: Task still takes them as keywords and
 # reads them as attributes, with a DeprecationWarning, until sluice 0.3.
-MOVED_TO_GRADING = tuple(f.name for f in fields(GradingSpec))
+_MOVED_TO_GRADING = tuple(f.name for f in fields(GradingSpec))
 
 
 def _moved_to_grading(name: str) -> property:
@@ -173,7 +173,7 @@ def _accept_moved_grading_keywords(cls: type[Task]) -> type[Task]:
     # Any: the arguments go unchanged to the generated __init__, which checks them.
     @functools.wraps(generated)
     def __init__(self: Task, *args: Any, **kwargs: Any) -> None:
-        moved = {name: kwargs.pop(name) for name in MOVED_TO_GRADING if name in kwargs}
+        moved = {name: kwargs.pop(name) for name in _MOVED_TO_GRADING if name in kwargs}
         if moved:
             given = ", ".join(f"{name}=..." for name in moved)
             warnings.warn(f"Task({given}) is deprecated (removed in sluice 0.3): write "
@@ -187,7 +187,6 @@ def _accept_moved_grading_keywords(cls: type[Task]) -> type[Task]:
 
     cls.__init__ = __init__
     return cls
-
 
 
 @_accept_moved_grading_keywords
