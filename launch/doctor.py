@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,30 +100,40 @@ def check_pool_resources(pools: Sequence[PoolSpec], nodes: Sequence[Node]) -> li
 
 # --- what each node reports -----------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
+class NodeProbe:
+    """What one node reports (plain data: it travels back through Ray)."""
+
+    paths: dict[str, bool] = field(default_factory=dict)  # key -> the path exists here
+    markers: dict[str, bool] = field(default_factory=dict)  # key -> the driver's marker reads back
+    backend: str | None = None  # sandbox nodes: why the sandbox backend fails here, None if it works
+    images: dict[str, bool] = field(default_factory=dict)  # sandbox nodes: image -> present
+    source_dirs: dict[str, bool] = field(default_factory=dict)  # sandbox nodes: folder -> present
+
+
 def probe_node(paths: Mapping[str, str], markers: Mapping[str, tuple[str, str]],
                sandbox_backend: str | None, images: Sequence[str],
-               source_dirs: Sequence[str]) -> dict[str, Any]:
+               source_dirs: Sequence[str]) -> NodeProbe:
     """Runs on one node: which `paths` exist, which shared-folder markers it reads with the
     expected token, and (on sandbox nodes) the backend, images and task folders."""
-    out: dict[str, Any] = {"paths": {k: Path(p).expanduser().exists() for k, p in paths.items()}}
+    found = {k: Path(p).expanduser().exists() for k, p in paths.items()}
     seen = {}
     for key, (path, token) in markers.items():
         try:
             seen[key] = Path(path).read_text() == token
         except OSError:
             seen[key] = False
-    out["markers"] = seen
     if sandbox_backend is None:
-        return out
-    out["backend"], engine = _probe_backend(sandbox_backend)
+        return NodeProbe(paths=found, markers=seen)
+    backend, engine = _probe_backend(sandbox_backend)
     if engine is not None:
         from envs.sandbox.engine import image_exists
 
-        out["images"] = {image: image_exists(engine, image) for image in images}
+        present = {image: image_exists(engine, image) for image in images}
     else:
-        out["images"] = {image: False for image in images}
-    out["source_dirs"] = {d: Path(d).is_dir() for d in source_dirs}
-    return out
+        present = {image: False for image in images}
+    return NodeProbe(paths=found, markers=seen, backend=backend, images=present,
+                     source_dirs={d: Path(d).is_dir() for d in source_dirs})
 
 
 def _probe_backend(backend: str) -> tuple[str | None, ContainerEngine | None]:
@@ -141,45 +151,46 @@ def _probe_backend(backend: str) -> tuple[str | None, ContainerEngine | None]:
         return str(exc), None
 
 
-def check_sandbox_nodes(reports: Mapping[str, Mapping[str, Any]], backend: str,
+def check_sandbox_nodes(reports: Mapping[str, NodeProbe], backend: str,
                         resource: str) -> list[Check]:
     """Checks from the probes of the sandbox nodes (keyed by node address)."""
     if not reports:
         return [Check(False, "sandbox nodes", f"no node offers the '{resource}' resource; start "
                       f"CPU nodes with launch/ray_start.sh sandbox (cluster.sandbox_resource)")]
     checks = []
-    broken = {ip: r["backend"] for ip, r in reports.items() if r["backend"]}
+    broken = {ip: r.backend for ip, r in reports.items() if r.backend}
     checks.append(Check(not broken, f"sandbox backend {backend}",
                         f"works on {len(reports) - len(broken)} of {len(reports)} sandbox nodes"
                         + (f"; {_first(broken)}" if broken else "")))
     for kind, what in (("images", "image"), ("source_dirs", "task folder")):
-        names = sorted({n for r in reports.values() for n in r[kind]})
+        found = {ip: r.images if kind == "images" else r.source_dirs for ip, r in reports.items()}
+        names = sorted({n for present in found.values() for n in present})
         for name in names:
-            lacking = sorted(ip for ip, r in reports.items() if not r[kind].get(name))
+            lacking = sorted(ip for ip, present in found.items() if not present.get(name))
             if lacking:
                 checks.append(Check(False, f"{what} {name}", f"absent on {len(lacking)} of "
                                     f"{len(reports)} sandbox nodes ({_few(lacking)}); "
                                     + ("load it into each node's container storage "
                                        "(images are never pulled during a run)"
                                        if kind == "images" else "put it on the shared filesystem")))
-        if names and all(all(r[kind].get(n) for n in names) for r in reports.values()):
+        if names and all(all(present.get(n) for n in names) for present in found.values()):
             checks.append(Check(True, f"{what}s", f"all {len(names)} present on every sandbox node"))
     return checks
 
 
-def check_paths(reports: Mapping[str, Mapping[str, Any]], paths: Mapping[str, str],
+def check_paths(reports: Mapping[str, NodeProbe], paths: Mapping[str, str],
                 markers: Mapping[str, tuple[str, str]]) -> list[Check]:
     """Paths every engine/train node must see, and folders every node must share."""
     checks = []
     for key, path in paths.items():
-        lacking = sorted(ip for ip, r in reports.items() if not r["paths"].get(key))
+        lacking = sorted(ip for ip, r in reports.items() if not r.paths.get(key))
         checks.append(Check(not lacking, key, f"{path} " + (
             f"absent on {len(lacking)} of {len(reports)} nodes ({_few(lacking)}); put it on "
             f"the shared filesystem at the same path" if lacking else
             f"present on all {len(reports)} engine/train nodes")))
     for key, (path, _) in markers.items():
         folder = str(Path(path).parent)
-        blind = sorted(ip for ip, r in reports.items() if not r["markers"].get(key))
+        blind = sorted(ip for ip, r in reports.items() if not r.markers.get(key))
         checks.append(Check(not blind, f"{key} shared", f"{folder} " + (
             f"is not the driver's folder on {len(blind)} of {len(reports)} nodes "
             f"({_few(blind)}); mount the shared filesystem there" if blind else

@@ -92,13 +92,9 @@ def build_demonstrations(task_set: str, max_observation_tokens: int, count_token
 def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
                      max_observation_tokens: int, cache_root: Path) -> Path:
     """The base model after `steps` supervised steps on toy demonstrations (cached)."""
-    from transformers import AutoTokenizer
+    from rollout.chat import build_continuity_builder, load_tokenizer
 
-    from rollout.chat import build_continuity_builder
-
-    tokenizer = AutoTokenizer.from_pretrained(base_path)
-    if tokenizer is None:
-        raise ValueError(f"no tokenizer in {base_path}; point model.path at a folder with one")
+    tokenizer = load_tokenizer(base_path)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     demos = build_demonstrations(task_set, max_observation_tokens, count)
     out = cache_root / f"warm-{demonstrations_key(base_path, demos, steps)}"

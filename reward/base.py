@@ -8,7 +8,7 @@ caller hands over the final assistant text and the agent's final workspace as va
 
 from __future__ import annotations
 
-import asyncio
+import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +41,7 @@ class RewardResult:
     def __post_init__(self) -> None:
         if not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
             raise ValueError(f"RewardResult.reward must be a finite number, got {self.reward!r}")
-        components = {str(k): float(v) for k, v in dict(self.components).items()}
+        components = {k: float(v) for k, v in dict(self.components).items()}
         bad = [k for k, v in components.items() if not math.isfinite(v)]
         if bad:
             raise ValueError(f"RewardResult components {bad} are not finite")
@@ -101,7 +101,7 @@ def load_reward_fn(import_string: str) -> RewardFn:
     except TypeError as exc:
         raise ValueError(f"reward fn {import_string!r} cannot be built without arguments "
                          f"({exc}); give its parameters defaults or name a factory") from exc
-    if not callable(instance) or not asyncio.iscoroutinefunction(instance.__call__):
+    if not callable(instance) or not inspect.iscoroutinefunction(instance.__call__):
         raise ValueError(f"reward fn {import_string!r} must define "
                          "`async def __call__(self, trajectory, task, ctx) -> RewardResult`")
     return instance

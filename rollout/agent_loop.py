@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -226,7 +227,7 @@ class ToolActivity:
         self.finished_at: dict[str, float] = {}  # tool -> monotonic time its last call ended
 
     @contextlib.contextmanager
-    def running(self, name: str) -> Iterator[None]:
+    def running(self, name: str) -> Generator[None, None, None]:
         self.executing[name] = self.executing.get(name, 0) + 1
         try:
             yield
@@ -331,7 +332,7 @@ def load_agent_loop(name: str) -> type:
     """Resolve a built-in name or `package.module:Class` to an AgentLoop class; ValueError
     says what is wrong."""
     obj = AGENT_LOOPS.resolve(name)
-    if not isinstance(obj, type) or not asyncio.iscoroutinefunction(getattr(obj, "run", None)):
+    if not isinstance(obj, type) or not inspect.iscoroutinefunction(getattr(obj, "run", None)):
         raise ValueError(f"agent loop {name!r} must be a class with "
                          f"`async def run(self, task, ctx) -> Trajectory`")
     return obj

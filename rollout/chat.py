@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -37,6 +38,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Tools = Sequence[Mapping[str, Any]]  # OpenAI function schemas, handed to the template as is
+
+
+def load_tokenizer(model_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The model folder's tokenizer; ValueError when the folder has none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer is None:
+        raise ValueError(f"no tokenizer in {model_path}; point the model path at a folder with one")
+    return tokenizer
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], *,
+                skip_special_tokens: bool = False) -> str:
+    """The text of one id sequence (transformers types `decode` for batches too)."""
+    text = tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str), "one id sequence decodes to one string"
+    return text
 
 # How a family's template treats the reasoning of earlier assistant turns when it renders
 # a conversation: never renders reasoning; renders it for every turn; drops it for turns
@@ -184,7 +203,7 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
     """The tokenizer's chat template applied to `messages`, as text."""
     try:
         text = tokenizer.apply_chat_template(
-            template_messages(messages, family), tools=list(tools) if tools else None,
+            template_messages(messages, family), tools=[dict(t) for t in tools] if tools else None,
             add_generation_prompt=add_generation_prompt, tokenize=False, **dict(template_kwargs or {}))
     except Exception as exc:  # jinja's TemplateError, or a TypeError inside the template
         roles = "/".join(m.role for m in messages)
@@ -513,11 +532,11 @@ def first_divergence(tokenizer: PreTrainedTokenizerBase, reference: Sequence[int
         return None
     if trailing_glue_ok and (n == len(incremental) or n == len(reference)):
         rest = reference[n:] or incremental[n:]
-        if not tokenizer.decode(rest, skip_special_tokens=True).strip():
+        if not decode_text(tokenizer, rest, skip_special_tokens=True).strip():
             return None
 
     def decoded(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        return decode_text(tokenizer, ids)
 
     return Divergence(
         position=n,

@@ -76,9 +76,12 @@ class AgentConfig:
     trajectory_timeout_s: float = knob(1800.0, "Wall-clock limit of one trajectory.")
 
 
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]  # model.dtype's values
+
+
 class _ModelView(Protocol):
     @property
-    def dtype(self) -> str: ...  # auto, float32, bfloat16, float16
+    def dtype(self) -> ModelDtype: ...
 
     @property
     def max_context_tokens(self) -> int: ...

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 if TYPE_CHECKING:
-    from rollout.config import RolloutRecipe
+    from rollout.config import ModelDtype, RolloutRecipe
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class EngineSpec:
     """Everything needed to start one engine; built from the recipe by `from_config`."""
 
     model_path: str
-    dtype: str = "float32"
+    dtype: ModelDtype = "float32"
     max_model_len: int = 4096
     tp_size: int = 1
     kv_cache_memory_bytes: int | None = None

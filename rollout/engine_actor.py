@@ -3,14 +3,23 @@ EngineClient the router uses to call it. All behaviour lives in rollout.engine."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.engine import EngineSpec, EngineStats, Sampling, TokenOutput, VLLMEngine
 
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
-@ray.remote(max_concurrency=100_000)
+# Every call of the engines' or workers' trajectories is in flight at once; the async actor
+# queues none of them (set at creation: Ray's typed decorator takes no actor options).
+MAX_CONCURRENCY = 100_000
+
+
+@ray.remote
 class EngineActor:
     def __init__(self, spec: EngineSpec) -> None:
         self.engine = VLLMEngine(spec)
@@ -92,16 +101,18 @@ class RayEngineClient:
 
 
 async def start_engines(spec: EngineSpec, num_engines: int,
-                        placement_group: object | None = None) -> dict[str, RayEngineClient]:
+                        placement_group: PlacementGroup | None = None) -> dict[str, RayEngineClient]:
     """Start `num_engines` actors (bundle i of the rollout pool each) and wait until ready."""
     handles = {}
     for i in range(num_engines):
-        options: dict[str, object] = {"num_cpus": 0}  # the bundle reserves the resources
+        options: dict[str, object] = {"num_cpus": 0,  # the bundle reserves the resources
+                                      "max_concurrency": MAX_CONCURRENCY}
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=i)
-            options["num_gpus"] = placement_group.bundle_specs[i].get("GPU", 0)  # type: ignore[attr-defined]
-        handles[f"engine-{i}"] = EngineActor.options(name=None, **options).remote(spec)
+            options["num_gpus"] = placement_group.bundle_specs[i].get("GPU", 0)
+        # @ray.remote made the class an ActorClass; type checkers do not apply class decorators.
+        handles[f"engine-{i}"] = EngineActor.options(name=None, **options).remote(spec)  # pyrefly: ignore[missing-attribute]
     await _gather_refs([h.start.remote() for h in handles.values()])
     return {name: RayEngineClient(h) for name, h in handles.items()}
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from rollout.engine import Sampling, TokenOutput
@@ -39,7 +41,7 @@ class TurnGate:
         return self._num_generating
 
     @asynccontextmanager
-    async def turn(self) -> AsyncIterator[float]:
+    async def turn(self) -> AsyncGenerator[float, None]:
         """Hold the gate for one generate call; yields the seconds spent waiting for it."""
         start = time.monotonic()
         while not self._open.is_set():  # loop: the gate may close again before we run
@@ -82,9 +84,10 @@ class LocalTurns:
     def __init__(self, router: Router, gate: TurnGate) -> None:
         self.router, self.gate = router, gate
 
-    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
-                            sampling: Sampling) -> GeneratedTurn:
+    async def generate_turn(self, router_session: str, request_id: str,
+                            prompt_ids: Sequence[int] | np.ndarray, sampling: Sampling) -> GeneratedTurn:
+        ids = prompt_ids if isinstance(prompt_ids, (np.ndarray, list)) else list(prompt_ids)
         async with self.gate.turn() as queue_s:
             start = time.monotonic()
-            routed = await self.router.generate(router_session, request_id, prompt_ids, sampling)
+            routed = await self.router.generate(router_session, request_id, ids, sampling)
         return GeneratedTurn(routed.output, routed.engine, queue_s, time.monotonic() - start)

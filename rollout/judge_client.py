@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from rollout.chat import encode, render_chat
+from rollout.chat import decode_text, encode, load_tokenizer, render_chat
 from rollout.engine import EngineSpec, Sampling, TokenOutput
 from envs.types import Message
 
@@ -80,7 +80,7 @@ class EngineJudgeClient:
             raise
         finally:
             self._in_flight[name] -= 1
-        return self.tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=True)
+        return decode_text(self.tokenizer, out.token_ids.tolist(), skip_special_tokens=True)
 
 
 async def _abort_quietly(engine: JudgeEngine, request_id: str) -> None:
@@ -120,9 +120,7 @@ def build_judge_client(cfg: RolloutRecipe, model_path: str,
                        engines: Mapping[str, JudgeEngine]) -> EngineJudgeClient:
     """The judge client over running judge engines (in the driver, or in each agent-loop
     worker from the engines' handles: judging happens where the group is scored)."""
-    from transformers import AutoTokenizer
-
     spec = build_judge_spec(cfg, model_path)
-    return EngineJudgeClient(engines, AutoTokenizer.from_pretrained(model_path),
+    return EngineJudgeClient(engines, load_tokenizer(model_path),
                              max_new_tokens=cfg.reward.judge.max_new_tokens,
                              max_model_len=spec.max_model_len)

@@ -26,6 +26,7 @@ from rollout.tool_parser import (TOOL_FORMATS, ParsedTurn, ToolCallError, argume
                                  turn_status)
 
 if TYPE_CHECKING:
+    import numpy as np
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,9 @@ class OutputParser:
             self._cls = ParserManager.get_parser(
                 tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
                 enable_auto_tools=tool_parser is not None,
-                is_harmony=self._harmony, tokenizer=tokenizer)
+                # vLLM's TokenizerLike protocol is narrower than transformers' own types
+                # (vLLM passes these tokenizers itself).
+                is_harmony=self._harmony, tokenizer=tokenizer)  # pyrefly: ignore[bad-argument-type]
         except (TypeError, ValueError, RuntimeError, KeyError, ImportError) as exc:
             raise ValueError(f"agent.tool_parser={tool_parser!r} / agent.reasoning_parser="
                              f"{reasoning_parser!r} cannot parse this tokenizer's output ({exc}); "
@@ -108,7 +111,9 @@ class OutputParser:
 
             token_ids = get_encoding().encode(text, allowed_special="all")
         try:
-            parser = self._cls(self.tokenizer, request.tools, chat_template_kwargs=self.template_kwargs,
+            # vLLM's TokenizerLike protocol again (see __init__).
+            parser = self._cls(self.tokenizer, request.tools,  # pyrefly: ignore[bad-argument-type]
+                               chat_template_kwargs=self.template_kwargs,
                                model_config=None)
             if prompt_ids is not None:
                 parser.set_prompt_token_ids(list(prompt_ids))
@@ -215,16 +220,18 @@ def output_parser_of(chat: Any, tokenizer: "PreTrainedTokenizerBase") -> OutputP
     return cached
 
 
-def parse_generation(chat: Any, tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int], *,
+def parse_generation(chat: Any, tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int] | np.ndarray, *,
                      tools: Tools | None, max_calls: int,
-                     prompt_ids: Sequence[int] | None = None) -> ParsedTurn:
+                     prompt_ids: Sequence[int] | np.ndarray | None = None) -> ParsedTurn:
     """One generation (ids as the engine returned them, stop token included or not) read
     by the builder's parsers; `prompt_ids` are the ids the engine was sent."""
     ids = [int(i) for i in token_ids]
     stops = getattr(chat, "stop_token_ids", None) or (chat.end_of_turn_id,)
     if ids and ids[-1] in stops:
         ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=False)
+    from rollout.chat import decode_text  # deferred: rollout.chat builds on this module
+
+    text = decode_text(tokenizer, ids)
     return output_parser_of(chat, tokenizer).parse(
         text, ids, tools=tools, max_calls=max_calls,
         prompt_ids=None if prompt_ids is None else [int(i) for i in prompt_ids])

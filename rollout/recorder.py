@@ -9,6 +9,7 @@ out or raises still yields everything it produced up to that point.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,7 +39,7 @@ class TrajectoryRecorder:
     """Appends to one trajectory. Chunks are numpy arrays; the running context is cached
     so each turn costs one concatenation of the new chunk, not of the whole history."""
 
-    def __init__(self, task_id: str, group_id: str, index: int, prompt_ids: list[int] | np.ndarray,
+    def __init__(self, task_id: str, group_id: str, index: int, prompt_ids: Sequence[int] | np.ndarray,
                  budgets: Budgets) -> None:
         self.task_id, self.group_id, self.index = task_id, group_id, index
         self.budgets = budgets

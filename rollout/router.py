@@ -6,11 +6,11 @@ themselves (running + waiting requests, polled every `load_poll_s` and shared by
 router, so one agent-loop worker sees the load the other workers put there), plus what
 this router sent since the last poll, and never less than this router's own requests in
 flight. A session whose engine runs `max_imbalance` requests more than the least-loaded
-one moves (its prefix cache is lost, counted as a rebalance): stickiness is bounded. Sessions are kept in a bounded LRU and released when the trajectory ends. An
-engine that fails or does not answer in time is removed and its trajectories continue on
-another engine (their prefix cache is lost, which is counted); nothing is dropped
-silently. Control calls (pause, resume, weight updates) fan out to all engines at once.
-"""
+one moves (its prefix cache is lost, counted as a rebalance): stickiness is bounded.
+Sessions are kept in a bounded LRU and released when the trajectory ends. An engine that
+fails or does not answer in time is removed and its trajectories continue on another
+engine (their prefix cache is lost, which is counted); nothing is dropped silently.
+Control calls (pause, resume, weight updates) fan out to all engines at once."""
 
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ class Router:
                 call = self._engines[name].generate(f"{request_id}.{attempt}", prompt_ids, sampling)
                 out = await (asyncio.wait_for(call, self._timeout_s) if self._timeout_s else call)
                 return RoutedOutput(out, name, rerouted)
-            except BaseException as exc:
+            except BaseException as exc:  # `is_failure` judges any error; cancellation goes on
                 if isinstance(exc, asyncio.CancelledError) or not self._is_failure(exc):
                     raise
                 self._remove(name, exc)

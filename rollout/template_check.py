@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from envs.types import Message, ToolCall
 from rollout.chat import (AUTO, FAMILIES, TemplateContinuity, Tools, build_continuity_builder,
-                          detect_family, drop_reasoning_before_last_user, encode, first_divergence)
+                          decode_text, detect_family, drop_reasoning_before_last_user, encode,
+                          first_divergence)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -214,7 +216,7 @@ def _generate(builder: TemplateContinuity, history: list[Message], message: Mess
     stop = builder.stop_token_before(following)
     text_ids = encode(tokenizer, body)
     generated = text_ids + ([builder.stop_token_ids[family.stop_tokens.index(stop)]] if stop else [])
-    text = tokenizer.decode(text_ids, skip_special_tokens=False)
+    text = decode_text(tokenizer, text_ids)
     parsed = builder.parser.parse(text, text_ids, tools=tools, max_calls=8, prompt_ids=prompt_ids)
     _check_round_trip(builder, message, parsed, text)
     return generated, Message("assistant", parsed.content, parsed.calls, reasoning=parsed.reasoning)
@@ -289,7 +291,7 @@ def _only_dropped_reasoning(builder: TemplateContinuity, segment: _Segment, mess
     droppable = [(s, e, k) for s, e, k in segment.spans
                  if (k < last_user if family.thinking == "dropped_before_last_user" else k < last_assistant)]
     def chars(ids_end: int) -> int:
-        return len(tokenizer.decode(segment.ids[:ids_end], skip_special_tokens=False))
+        return len(decode_text(tokenizer, segment.ids[:ids_end]))
 
     # A turn's window reaches back over the glue before it: templates that drop reasoning
     # may drop the (empty) think block of the generation prompt with it.
@@ -297,7 +299,7 @@ def _only_dropped_reasoning(builder: TemplateContinuity, segment: _Segment, mess
     previous = {k: max((ends[j] for j in ends if j < k), default=0) for _, _, k in droppable}
     windows = [(chars(previous[k]), chars(e), k) for _, e, k in droppable]
     # The final turn's closing glue may be in one and not the other (see first_divergence).
-    text = tokenizer.decode(segment.ids, skip_special_tokens=False).rstrip()
+    text = decode_text(tokenizer, segment.ids).rstrip()
     matcher = difflib.SequenceMatcher(None, text, reference_text.rstrip(), autojunk=False)
     for op, i1, i2, _, _ in matcher.get_opcodes():
         if op == "equal":

@@ -79,8 +79,8 @@ class AbortFlag:
     def raise_(self) -> None:
         try:
             self._store.set(ABORT_KEY, "1")
-        except Exception:
-            pass  # rank 0 (the store) is gone: the others find that out themselves
+        except Exception:  # rank 0 (the store) is gone: the others find that out themselves
+            pass
 
 
 def wait_for_event(is_done: Any, timeout_s: float, poll_s: float,
@@ -220,7 +220,7 @@ def bounded_broadcast(comm: WeightCommunicator, tensor: Any, deadline: Deadline)
     the communicator is aborted and WeightGroupError raised (the group is gone)."""
     try:
         comm.broadcast(tensor, SENDER_RANK, deadline.remaining_s())
-    except BaseException as exc:
+    except BaseException as exc:  # interrupted too: a half-done broadcast leaves the group unusable
         abort_quietly(comm)
         raise WeightGroupError(f"weight broadcast failed, group aborted: "
                                f"{type(exc).__name__}: {str(exc)[:300]}") from exc

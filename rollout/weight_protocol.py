@@ -128,13 +128,13 @@ def plan_buckets(tensors: Iterable[tuple[str, Sequence[int], str, int]],
     for name, shape, dtype, element_size in tensors:
         numel = 1
         for dim in shape:
-            numel *= int(dim)
+            numel *= dim
         num_bytes = numel * element_size
         offset = _align(end)
         if slots and offset + num_bytes > bucket_bytes:
             buckets.append(Bucket(tuple(slots), end))
             slots, offset = [], 0
-        slots.append(TensorSlot(name, tuple(int(d) for d in shape), dtype, offset, num_bytes))
+        slots.append(TensorSlot(name, tuple(shape), dtype, offset, num_bytes))
         end = offset + num_bytes
     if slots:
         buckets.append(Bucket(tuple(slots), end))

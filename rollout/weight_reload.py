@@ -107,7 +107,7 @@ class WeightReloadExtension:
                 self.model_runner.reload_weights(weights_iterator=iter(receiver))  # type: ignore[attr-defined]
             finally:
                 unread = receiver.drain()  # keeps the group in step even when loading failed
-        except BaseException:
+        except BaseException:  # only the broadcast's own failure is translated; the rest goes on
             if receiver.failure is None:
                 raise
             self._sluice_comm = None  # aborted by the failed broadcast

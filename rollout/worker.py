@@ -240,20 +240,18 @@ def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[s
     sticky router over `engines`, the built-in tools plus `envs.tools` (unless
     `tool_classes` replaces them), sandboxes from `sandbox_provider`, and a reward loop
     grading on this node (`envs.sandbox_backend` sandboxes, the judge's engines)."""
-    from transformers import AutoTokenizer
-
     from envs.pool import load_sandbox_factory
     from envs.tools.sandbox_tools import build_sandbox_tool_settings
-    from rollout.chat import build_continuity_builder
+    from rollout.chat import build_continuity_builder, decode_text, load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
                                     tool_parser=cfg.agent.tool_parser,
                                     reasoning_parser=cfg.agent.reasoning_parser)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     envs = EnvBuilder(tool_classes if tool_classes is not None else load_tool_classes(cfg.envs.tools),
                       sandbox_provider, build_sandbox_tool_settings(cfg.envs, count_tokens=count))
-    rewards = RewardLoop(cfg.reward.fn, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    rewards = RewardLoop(cfg.reward.fn, lambda ids: decode_text(tokenizer, ids, skip_special_tokens=True),
                          timeout_s=cfg.reward.timeout_s, max_concurrency=cfg.reward.max_concurrency,
                          judge=judge, create_sandbox=load_sandbox_factory(cfg.envs.sandbox_backend),
                          scope=cfg.reward.fn_scope, hack_policy=cfg.reward.hack_policy)

@@ -20,8 +20,12 @@ from rollout.engine import EngineStats
 from rollout.router import Router
 from rollout.worker import WorkerStats, build_agent_worker
 
+# Every call of the engines' or workers' trajectories is in flight at once; the async actor
+# queues none of them (set at creation: Ray's typed decorator takes no actor options).
+MAX_CONCURRENCY = 100_000
 
-@ray.remote(max_concurrency=100_000)
+
+@ray.remote
 class AgentWorkerActor:
     def __init__(self, cfg: Any, model_path: str, engine_handles: dict[str, Any],
                  sandbox_handles: dict[str, Any] | None = None,
@@ -116,10 +120,12 @@ def start_agent_workers(cfg: Any, model_path: str, engine_handles: dict[str, Any
     workers = []
     for j in range(cfg.rollout.num_agent_workers):
         name, handle = pools[j % len(pools)]
-        options: dict[str, Any] = {"num_cpus": cfg.rollout.cpus_per_agent_worker}
+        options: dict[str, Any] = {"num_cpus": cfg.rollout.cpus_per_agent_worker,
+                                   "max_concurrency": MAX_CONCURRENCY}
         if placement_group is not None:  # the bundle reserves the worker's CPUs
             options.update(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement_group, placement_group_bundle_index=j % len(pools)))
-        workers.append(AgentWorkerActor.options(**options).remote(
+        # @ray.remote made the class an ActorClass; type checkers do not apply class decorators.
+        workers.append(AgentWorkerActor.options(**options).remote(  # pyrefly: ignore[missing-attribute]
             cfg, model_path, engine_handles, {name: handle}, judge_handles, judge_model_path))
     return workers

@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from envs.knobs import field_default
 from trainer.run.config import SluiceConfig, iter_fields
 from trainer.run.model_check import check_models, format_model_report
 from trainer.run.pools import format_pool_plan, plan_pools
@@ -31,7 +32,7 @@ USAGE = """usage: python -m trainer.main recipe=NAME.yaml [section.key=value ...
 def format_help() -> str:
     lines = [USAGE, "config keys (default; doc):"]
     for key, f in iter_fields(SluiceConfig):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        default = field_default(f)
         lines.append(f"  {key} = {default!r}  [{f.type}]\n      {f.metadata['doc']}")
     return "\n".join(lines)
 

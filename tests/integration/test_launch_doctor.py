@@ -6,11 +6,12 @@ the doctor's sandbox-node checks on fabricated probe reports (images, backend)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from launch.doctor import check_sandbox_nodes, format_checks, main, run_doctor
+from launch.doctor import NodeProbe, check_sandbox_nodes, format_checks, main, run_doctor
 from trainer.run.recipe import load_config
 
 
@@ -75,20 +76,17 @@ def test_cli_exit_status_says_whether_something_is_missing(cluster, tmp_path, ca
 
 def test_sandbox_checks_name_absent_images_and_a_broken_backend():
     reports = {
-        "10.0.0.1": {"backend": None, "images": {"swe/a:1": True, "swe/b:1": True},
-                     "source_dirs": {}},
-        "10.0.0.2": {"backend": None, "images": {"swe/a:1": True, "swe/b:1": False},
-                     "source_dirs": {}},
-        "10.0.0.3": {"backend": "podman is not installed; docker is not installed",
-                     "images": {"swe/a:1": False, "swe/b:1": False}, "source_dirs": {}},
+        "10.0.0.1": NodeProbe(images={"swe/a:1": True, "swe/b:1": True}),
+        "10.0.0.2": NodeProbe(images={"swe/a:1": True, "swe/b:1": False}),
+        "10.0.0.3": NodeProbe(backend="podman is not installed; docker is not installed",
+                              images={"swe/a:1": False, "swe/b:1": False}),
     }
     checks = {c.what: c for c in check_sandbox_nodes(reports, "container", "sandbox")}
     assert not checks["sandbox backend container"].ok
     assert "10.0.0.3: podman is not installed" in checks["sandbox backend container"].detail
     assert "absent on 2 of 3 sandbox nodes (10.0.0.2, 10.0.0.3)" in checks["image swe/b:1"].detail
     assert "absent on 1 of 3" in checks["image swe/a:1"].detail
-    fine = {ip: {**r, "backend": None, "images": {k: True for k in r["images"]}}
-            for ip, r in reports.items()}
+    fine = {ip: NodeProbe(images={k: True for k in r.images}) for ip, r in reports.items()}
     assert all(c.ok for c in check_sandbox_nodes(fine, "container", "sandbox"))
     assert not check_sandbox_nodes({}, "container", "sandbox")[0].ok
-    json.dumps(reports)  # probe reports travel through Ray as plain data
+    json.dumps({ip: dataclasses.asdict(r) for ip, r in reports.items()})  # plain data through Ray

@@ -15,10 +15,10 @@ or weights.
 
 Back-pressure: admission stops while (eta + 1) * B groups are alive, so rollout never
 produces groups that would only be evicted, and while the groups running would hold more
-trajectories than the sandbox pool has sandboxes x envs.sandbox_oversubscription; the trainer waits (idle) when the buffer holds
-fewer than `train.groups_per_step` groups. `train.mode=sync` is the same machinery with
-eta = 0. A failure that repeats group after group trips the breaker (buffer.breaker) and
-ends the run with that error.
+trajectories than the sandbox pool has sandboxes x envs.sandbox_oversubscription; the
+trainer waits (idle) when the buffer holds fewer than `train.groups_per_step` groups.
+`train.mode=sync` is the same machinery with eta = 0. A failure that repeats group after
+group trips the breaker (buffer.breaker) and ends the run with that error.
 
 Held-out evaluation (eval.tasks) runs before the first step and after the last (and every
 eval.every_steps) while the training loop waits, so no push lands in it: each score is

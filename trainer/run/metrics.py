@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -80,8 +80,8 @@ def truncate_after_step(path: Path, step: int) -> int:
 class WandbSink:
     """wandb, resumed under the same run id when the run folder is resumed."""
 
-    def __init__(self, project: str, run_name: str, run_dir: Path, mode: str,
-                 config: Mapping[str, Any]) -> None:
+    def __init__(self, project: str, run_name: str, run_dir: Path,
+                 mode: Literal["offline", "online", "disabled"], config: Mapping[str, Any]) -> None:
         import wandb
         from wandb.sdk.lib.runid import generate_id
 

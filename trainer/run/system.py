@@ -156,7 +156,7 @@ async def run(cfg: SluiceConfig, recipe_name: str = "run",
     created = not place.run_dir.exists()
     try:
         return await _run(cfg, place, signals, on_batch)
-    except BaseException:
+    except BaseException:  # interrupted too: clean up, then the error goes on
         # A failed start leaves no empty run folder behind (one with metrics is kept).
         if created and place.run_dir.is_dir() and not (place.run_dir / "metrics.jsonl").is_file():
             shutil.rmtree(place.run_dir, ignore_errors=True)
@@ -258,9 +258,9 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
                on_batch: Callable[[list, int], None] | None) -> tuple[RunSummary, Path]:
     import ray
     import yaml
-    from transformers import AutoTokenizer
 
     from envs.tasks import load_tasks
+    from rollout.chat import decode_text, load_tokenizer
     from rollout.template_check import check_template
     from trainer.run.checkpoint import RunState, load_checkpoint, save_checkpoint
     from trainer.train.weight_sync import resolve_transport
@@ -270,7 +270,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
     eval_tasks = load_tasks(cfg.eval.tasks)[:cfg.eval.num_tasks] if cfg.eval.tasks else []
     model_path = await in_daemon_thread(resolve_model, cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     # The chat family, its parsers and keep_thinking against the model's own template,
     # before any engine starts: a mismatch would corrupt every trajectory's ids.
     check_template(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
@@ -285,7 +285,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
             cfg, tasks=tasks, rollout=parts.rollout, trainer=parts.trainer,
             logger=MetricsLogger([]), eval_tasks=eval_tasks, env_metrics=parts.env_metrics,
             events=EventSink(run_dir / "events.jsonl", cfg.logging.max_turn_events_per_step),
-            transcripts=TranscriptSink(run_dir / "transcripts.jsonl", tokenizer.decode,
+            transcripts=TranscriptSink(run_dir / "transcripts.jsonl", lambda ids: decode_text(tokenizer, ids),
                                        cfg.logging.num_transcripts_per_step))
         if place.resume_from is not None:
             state = await asyncio.to_thread(load_checkpoint, place.resume_from, parts.trainer)

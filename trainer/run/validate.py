@@ -204,6 +204,8 @@ def _tokenizer_problems(key: str, folder: Path) -> list[str]:
             tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # transformers raises many kinds for a broken folder
         return [f"{key}: the tokenizer in {folder} does not load ({_describe(exc)})"]
+    if tokenizer is None:
+        return [f"{key}: {folder} holds no tokenizer; add its tokenizer files"]
     if not tokenizer.chat_template:
         return [f"{key}: the tokenizer in {folder} has no chat template; add "
                 "chat_template.jinja (or 'chat_template' in tokenizer_config.json)"]

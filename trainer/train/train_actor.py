@@ -152,8 +152,9 @@ class TrainGroup:
 
         probe = ray.remote(_node_address_and_port).options(**options(0))
         addr, port = ray.get(probe.remote())
-        self.ranks = [TrainRankActor.options(**options(i)).remote(cfg, model_path, i, world, addr, port)
-                      for i in range(world)]
+        # @ray.remote made the class an ActorClass; type checkers do not apply class decorators.
+        self.ranks = [TrainRankActor.options(**options(i)).remote(  # pyrefly: ignore[missing-attribute]
+                      cfg, model_path, i, world, addr, port) for i in range(world)]
         self.version = 0
 
     async def train_step(self, batch: TrainBatch) -> Any:

@@ -158,8 +158,8 @@ class WeightSender:
             if self._comm is comm:
                 self._comm = None  # aborted by bounded_broadcast
             raise
-        except BaseException:
-            self.drop()  # the receivers wait for a bucket that will not come
+        except BaseException:  # interrupted too: the receivers wait for a bucket that will not come
+            self.drop()
             raise
         extra = next(tensors, None)
         if extra is not None:

@@ -44,7 +44,7 @@ class PackedBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids_T.numel())
+        return self.input_ids_T.numel()
 
     @property
     def num_seqs(self) -> int:
