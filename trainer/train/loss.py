@@ -86,7 +86,9 @@ def compute_token_aggregate(values_BT: torch.Tensor, model_BT: torch.Tensor, agg
 
 
 def _check_inputs(tensors: dict[str, torch.Tensor | None], cfg: LossConfig) -> None:
-    shape = tensors["logprobs_BT"].shape
+    logprobs_BT = tensors["logprobs_BT"]
+    assert logprobs_BT is not None, "the current logprobs are always given"
+    shape = logprobs_BT.shape
     if len(shape) != 2 or 0 in shape:
         raise ValueError(f"logprobs_BT must be 2-D (batch, tokens) and non-empty, got shape "
                          f"{tuple(shape)}")
@@ -94,8 +96,8 @@ def _check_inputs(tensors: dict[str, torch.Tensor | None], cfg: LossConfig) -> N
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logprobs_BT has "
                              f"{tuple(shape)}; all per-token inputs must share one shape")
-    if not tensors["logprobs_BT"].is_floating_point():
-        raise ValueError(f"logprobs_BT must be floating point, got {tensors['logprobs_BT'].dtype}")
+    if not logprobs_BT.is_floating_point():
+        raise ValueError(f"logprobs_BT must be floating point, got {logprobs_BT.dtype}")
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss.aggregation must be one of {AGGREGATIONS}, got {cfg.aggregation!r}")
     if cfg.is_mode not in IS_MODES:
