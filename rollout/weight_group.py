@@ -73,13 +73,13 @@ class AbortFlag:
         self._next_check = now + self.CHECK_S
         try:
             return bool(self._store.check([ABORT_KEY]))
-        except Exception:  # the store lives in rank 0: gone with it
-            return True
+        except (RuntimeError, OSError):  # torch's store errors (DistError) and a lost socket
+            return True  # the store lives in rank 0: gone with it
 
     def raise_(self) -> None:
         try:
             self._store.set(ABORT_KEY, "1")
-        except Exception:  # rank 0 (the store) is gone: the others find that out themselves
+        except (RuntimeError, OSError):  # rank 0 (the store) is gone: the others find out themselves
             pass
 
 
