@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
-import importlib
 import itertools
 import logging
 import math
@@ -274,7 +273,7 @@ class LeasedSandbox:
         self._num_recreates += 1
         try:
             self.sandbox = await self._restored()
-        except Exception as exc:
+        except Exception as exc:  # create/restore of any backend may fail in any way: the caller gets a fault result
             self._counters.num_recreate_failures += 1
             log.error("%s: recreating a sandbox failed: %s", self._label, exc)
             return _fault(f"the sandbox broke ({reason}) and could not be recreated yet; "
@@ -291,7 +290,7 @@ class LeasedSandbox:
             return sandbox
         try:
             await sandbox.restore(self._snapshot)
-        except BaseException:
+        except BaseException:  # cancellation included: the half-made sandbox is released, then re-raised
             await _release_quietly(sandbox, self._label)
             raise
         return sandbox
@@ -347,7 +346,7 @@ class LeasedSandbox:
         dirty, self._dirty = self._dirty, False  # an op after this one marks it again
         try:
             snapshot = await self._live().snapshot()
-        except BaseException:
+        except BaseException:  # cancellation included: the dirty mark comes back, then re-raised
             self._dirty = dirty
             raise
         previous, self._snapshot = self._snapshot, snapshot
@@ -514,7 +513,7 @@ class SandboxPool:
                 # Released before the create, so the host never holds max_sandboxes + 1.
                 await asyncio.shield(self._spawn(_release_quietly(grant.evicted, self.name)))
             return await self._create(spec)
-        except BaseException:
+        except BaseException:  # cancellation included: the slot is freed, then re-raised
             self._free_slot()
             raise
         finally:
@@ -526,7 +525,7 @@ class SandboxPool:
             # Every sandbox the pool makes is driven by the policy: it leases host uids
             # apart from grading sandboxes' (SandboxRole), whatever the caller's spec says.
             sandbox = await self._factory(dataclasses.replace(spec, role=SandboxRole.AGENT))
-        except Exception:
+        except Exception:  # any failure of a backend's create is counted as one, then re-raised
             self._counters.num_create_failures += 1
             raise
         self._create_latency.record(time.monotonic() - start)
@@ -552,7 +551,7 @@ class SandboxPool:
         sandbox = None
         try:
             sandbox = await self._create(self._warm_spec)
-        except Exception as exc:
+        except Exception as exc:  # a background warm create may fail in any way: refill pauses with the error
             self._pause_refill(exc)
         finally:
             self._num_creating -= 1
@@ -673,14 +672,14 @@ class SandboxPool:
 async def _release_quietly(sandbox: Sandbox, label: str) -> None:
     try:
         await sandbox.release()
-    except Exception:
+    except Exception:  # best-effort cleanup, often in a background task: a failed release is logged
         log.exception("%s: releasing a sandbox failed", label)
 
 
 async def _is_healthy(sandbox: Sandbox) -> bool:
     try:
         return (await sandbox.exec(["true"], PROBE_TIMEOUT_S)).exit_code == 0
-    except Exception:
+    except Exception:  # a probe failing in any way means the sandbox is not healthy
         return False
 
 

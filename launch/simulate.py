@@ -26,6 +26,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,7 +109,7 @@ class _Collect:
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
         self.rows.append({"step": step, **metrics})
 
     def close(self) -> None:
@@ -281,7 +282,8 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None, SimO
     """(recipe, overrides with plan.* ones, profile file, options, as_json, trace path);
     flags take `--flag value`."""
     argv, profile_path = take_profile_flag(argv)
-    recipe, overrides, values, as_json, trace = None, [], {}, False, None
+    recipe, overrides, as_json, trace = None, [], False, None
+    values: dict[str, str] = {}
     doubled = False
     names = {"--mode": "mode", "--steps": "steps", "--tail": "tail", "--sandboxes": "sandboxes",
              "--token-unit": "token_unit", "--seed": "seed", "--worker": "worker"}
@@ -307,9 +309,21 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None, SimO
             overrides.append(arg)
     if values.get("worker") == "real":
         values.setdefault("token_unit", "1")
-    types = {f.name: f.type for f in dataclasses.fields(SimOptions)}
-    opts = SimOptions(**{k: int(v) if types[k] == "int" else v for k, v in values.items()},
-                      double_in_flight=doubled)
+    default = SimOptions()
+
+    def count(name: str, fallback: int) -> int:
+        text = values.get(name)
+        if text is None:
+            return fallback
+        if not text.lstrip("-").isdigit():
+            raise ValueError(f"--{name.replace('_', '-')} takes a whole number, got {text!r}")
+        return int(text)
+
+    opts = SimOptions(mode=values.get("mode", default.mode), steps=count("steps", default.steps),
+                      tail=values.get("tail", default.tail),
+                      sandboxes=values.get("sandboxes", default.sandboxes),
+                      token_unit=count("token_unit", default.token_unit), seed=count("seed", default.seed),
+                      double_in_flight=doubled, worker=values.get("worker", default.worker))
     if opts.mode not in ("sync", "async") or opts.sandboxes not in ("stateful", "releasable"):
         raise ValueError("--mode is sync or async; --sandboxes is stateful or releasable")
     if opts.worker not in ("model", "real"):

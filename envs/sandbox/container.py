@@ -159,7 +159,7 @@ class ContainerSandbox(workspace.HostWorkspaceSandbox):
             return cls(spec=spec, config=config, engine=engine, lease=lease,
                        sandbox_dir=sandbox_dir, container=container, init_pid=pid,
                        disk_limit_mb=disk_limit_mb)
-        except BaseException:
+        except BaseException:  # cancellation included: the half-made container is removed, then re-raised
             await asyncio.to_thread(_remove_container, engine, name, config)
             if sandbox_dir is not None:
                 workspace.remove_sandbox_dir(sandbox_dir)

@@ -144,7 +144,7 @@ class LocalSandbox(workspace.HostWorkspaceSandbox):
             cgroup = await asyncio.to_thread(
                 SandboxCgroup.create, f"sluice-sandbox-{lease.uid}", limits.memory_mb,
                 limits.max_processes + 2, limits.cpu_quota_cores)
-        except BaseException:
+        except BaseException:  # cancellation included: the half-made sandbox is removed, then re-raised
             if sandbox_dir is not None:
                 workspace.remove_sandbox_dir(sandbox_dir)
             lease.release()

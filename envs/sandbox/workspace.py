@@ -24,7 +24,7 @@ import shutil
 import stat
 import tarfile
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import BinaryIO
 
 from envs.owner import owner_tag
@@ -204,7 +204,7 @@ def snapshot(workspace: str, snapshot_dir: str | None, max_bytes: int) -> Snapsh
                     # Symlinks are stored as links, never followed.
                     tar.add(os.path.join(workspace, name), arcname=name,
                             filter=_keep_in_snapshot)
-    except BaseException:
+    except BaseException:  # cancellation included: the partial tar is removed, then re-raised
         os.unlink(tar_path)
         raise
     return Snapshot(tar_path=tar_path, num_bytes=os.path.getsize(tar_path))
@@ -313,7 +313,7 @@ class HostWorkspace:
         self._released = False
 
     @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
+    async def turn(self) -> AsyncGenerator[None, None]:
         """Hold the sandbox for one command."""
         async with self._lock:
             self._check_live()
@@ -323,7 +323,8 @@ class HostWorkspace:
         async with self.turn():
             return await asyncio.to_thread(read_file, self.path, path, self.max_bytes)
 
-    async def write_file(self, path: str, data: bytes) -> None:
+    async def write_file(self, path: str, data: bytes | bytearray) -> None:
+        # A bytearray is copied before the thread writes it, so the caller may reuse it.
         if not isinstance(data, (bytes, bytearray)):
             raise ValueError(f"write_file takes bytes, got {type(data).__name__}; "
                              "encode text first (e.g. text.encode())")

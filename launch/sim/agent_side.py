@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import itertools
 import random
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -210,19 +211,18 @@ def build_agent_rollout(cfg: SluiceConfig, plan: Plan, spec: EngineSpec, sandbox
                          f"{cfg.agent.max_new_tokens_per_turn}: the scripted tool call would be "
                          "cut; lower plan.gen_tokens")
     # The tiny model's tokenizer and family; routing on the router's own counts (a load
-    # poll would add timers that change nothing here), no request timeout (virtual time).
+    # poll would add timers that change nothing here), sticky sessions that never move off
+    # their engine (no imbalance reaches sys.maxsize), no request timeout (virtual time).
     sim_cfg = dataclasses.replace(
         cfg, agent=dataclasses.replace(cfg.agent, chat_family="auto", tool_parser="auto",
                                        reasoning_parser="auto", max_turns=turns),
         rollout=dataclasses.replace(cfg.rollout, load_poll_s=0.0, request_timeout_s=1e9,
-                                    max_engine_imbalance=None),
+                                    max_engine_imbalance=sys.maxsize),
         reward=dataclasses.replace(cfg.reward, fn="reward.rules:ExactMatch", fn_scope="all"))
-    from transformers import AutoTokenizer
-
-    from rollout.chat import build_continuity_builder
+    from rollout.chat import build_continuity_builder, load_tokenizer
 
     model_path = str(ensure_tiny_model())
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     provider = SimSandboxProvider(sandboxes, exec_model, build_obs_text(tokenizer, p.obs_tokens), seed)
     # The outputs end with the family's end-of-turn id, as the worker's builder has it.
     end_id = build_continuity_builder(tokenizer, "auto", tool_parser="none",

@@ -134,9 +134,10 @@ class SimRollout:
             if held:
                 self.sandboxes.release(session)
         self._end_reasons[reason.value] += 1
-        return Trajectory(task.id, group_id, index, part.prompt_ids, part.ids, part.mask,
-                          part.logprobs, part.versions, reason, tuple(part.turns),
-                          reward=float(rng.random() < 0.5))
+        return Trajectory(task.id, group_id, index, np.array(part.prompt_ids, np.int32),
+                          np.array(part.ids, np.int32), np.array(part.mask, np.int8),
+                          np.array(part.logprobs, np.float32), np.array(part.versions, np.int32),
+                          reason, tuple(part.turns), reward=float(rng.random() < 0.5))
 
     async def _turns(self, task: Task, session: str, part: _Partial, rng: random.Random) -> None:
         loop, p = asyncio.get_running_loop(), self.profile
@@ -266,8 +267,8 @@ class SimTrainer:
         self.steps.append(StepRecord(version, start, end, loop.time(), tokens))
         return PushOutcome()
 
-    def save(self, folder: Path) -> None:
+    def save_state(self, folder: Path) -> None:
         raise NotImplementedError("the simulator keeps no trainer state to checkpoint")
 
-    def load(self, folder: Path) -> None:
+    def load_state(self, folder: Path) -> None:
         raise NotImplementedError("the simulator keeps no trainer state to checkpoint")

@@ -41,6 +41,8 @@ import json
 import os
 import sys
 import re
+from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 # The oldest pytest whose own copy grades (the recorder's hooks and the driver's command
@@ -56,7 +58,8 @@ class ShadowGuard:
         self.names = names
         self.trusted_path = trusted_path
 
-    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if path is not None or name not in self.names:
             return None  # submodules resolve through their package's own (trusted) path
         spec = importlib.machinery.PathFinder.find_spec(name, self.trusted_path)

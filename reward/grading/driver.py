@@ -183,7 +183,7 @@ def command_main(settings: dict) -> int:
     return 0
 
 
-def verify_stream(data: bytes, key: bytes, overflow: bool) -> tuple[list[dict], list[str]]:
+def verify_stream(data: bytes | bytearray, key: bytes, overflow: bool) -> tuple[list[dict], list[str]]:
     """The records whose authentication holds, in order, and every problem of the stream
     (a bad or unauthenticated line, a gap in the sequence, records after `finish`)."""
     records: list[dict] = []

@@ -221,6 +221,8 @@ def _site(leaf: ast.Constant, expected: ast.expr, lines: list[str]) -> Site | No
     raw = lines[leaf.lineno - 1].encode("utf-8")
     text = raw[leaf.col_offset:leaf.end_col_offset].decode("utf-8", "replace")
     value = leaf.value
+    if not isinstance(value, (int, float, str, bytes)):
+        return None  # None, Ellipsis and complex literals are never changed
     if isinstance(value, bool):
         ok = text in ("True", "False")
     elif isinstance(value, int):
@@ -229,11 +231,9 @@ def _site(leaf: ast.Constant, expected: ast.expr, lines: list[str]) -> Site | No
         ok = text == repr(value) and "e" not in text and "n" not in text
     elif isinstance(value, str):
         ok = _plain_string(text, value, "") and any(_class_of(c) for c in value)
-    elif isinstance(value, bytes):
+    else:  # bytes
         ok = value.isascii() and _plain_string(text, value.decode("ascii"), "b") and \
             any(_class_of(chr(c)) for c in value)
-    else:
-        ok = False
     if not ok:
         return None
     return Site(leaf.lineno, leaf.col_offset, leaf.end_col_offset, value, text, expected, leaf)

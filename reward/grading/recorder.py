@@ -132,5 +132,5 @@ class Recorder:
         self._emit("report", id=report.nodeid, when=report.when, outcome=report.outcome)
 
     @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
         self._emit("finish", status=int(exitstatus))

@@ -69,7 +69,8 @@ class SourceConfig:
     def pythonpath_dirs(self) -> tuple[str, ...]:
         """The config's `pythonpath` entries as workspace-relative folders."""
         raw = self.values.get("pythonpath", [])
-        entries = shlex.split(raw) if isinstance(raw, str) else list(raw)
+        # A TOML config's list may hold values of any type.
+        entries: list[object] = list(shlex.split(raw) if isinstance(raw, str) else raw)
         out = []
         for entry in entries:
             rel = os.path.normpath(os.path.join(self.rel_dir, str(entry)))
@@ -94,7 +95,7 @@ def find_source_config(source_dir: str | None, start_rel_dir: str = "") -> Sourc
                 continue
             try:
                 loaded = load_config_dict_from_file(_as_path(path))
-            except (Exception, Failed) as exc:
+            except (Exception, Failed) as exc:  # pytest's loaders raise parse errors of several libraries, by version
                 raise ValueError(f"the task source's {os.path.join(rel, name)} is not a valid "
                                  f"pytest config ({exc}); fix it in the task source") from None
             if loaded is not None:

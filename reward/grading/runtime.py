@@ -5,9 +5,9 @@ python through zipimport.
 It is the fallback: where the sandbox's Python imports a supported pytest of its own (a
 task image's, 6.2 onwards), that one grades (reward.grading.boot). Sandboxes of the local
 backend see only the host's read-only system runtime, which need not have pytest; the
-shipped copy is the same in every grading run there, whatever the agent installed. Built once per pytest version into the cache folder (the bytecode saves
-0.3 s of pytest start-up; a python of another minor version ignores it and compiles the
-sources).
+shipped copy is the same in every grading run there, whatever the agent installed. Built
+once per pytest version into the cache folder (the bytecode saves 0.3 s of pytest start-up;
+a python of another minor version ignores it and compiles the sources).
 
 Next to the zip, `preload.json` lists every standard-library module the runtime's code
 imports anywhere (found in its syntax trees at build time): the sandbox's start-up
@@ -46,8 +46,6 @@ _lock = threading.Lock()  # gradings prepare their folders in threads
 def pytest_runtime_zip(cache_dir: str | None = None) -> str:
     """Path of the runtime zip, built once per pytest version and bytecode format under
     the cache folder."""
-    import pytest
-
     return os.path.join(_runtime_folder(cache_dir), RUNTIME_NAME)
 
 

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from envs.types import Task
 from reward.grading.hacking import Finding

@@ -166,7 +166,8 @@ def read_swe_rows(path: str, cache_dir: str,
         except ValueError as exc:
             out.append((row, None, f"unsupported: {exc}"))
             continue
-        if not isinstance(row.get("patch"), str) or not row["patch"].strip():
+        patch = row.get("patch")
+        if not isinstance(patch, str) or not patch.strip():
             out.append((row, None, f"{ref.source} row {ref.row}, field 'patch': the gold patch "
                         "is required to validate; add it"))
         else:

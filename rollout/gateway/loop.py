@@ -123,10 +123,11 @@ class GatewayAgentLoop:
                 s = ctx.settings
                 settings = GatewaySettings(self.model_name, s.budgets, s.temperature, s.top_p, s.top_k,
                                            s.max_tool_calls_per_turn, max_body_bytes=self.max_body_bytes)
+                host: _InProcessHost | GatewayProcesses
                 if self.num_gateway_processes > 0:
-                    host: _InProcessHost | GatewayProcesses = GatewayProcesses(
-                        ctx.router, ctx.gate, ctx.chat, settings, self.num_gateway_processes)
-                    await host.start()
+                    procs = GatewayProcesses(ctx.router, ctx.gate, ctx.chat, settings, self.num_gateway_processes)
+                    await procs.start()
+                    host = procs
                 else:
                     server = GatewayServer(Gateway(ctx.router, ctx.gate, ctx.chat, ctx.tokenizer, settings))
                     await server.start()

@@ -139,7 +139,8 @@ class MiniSweAgentLoop(GatewayAgentLoop):
 
         litellm.suppress_debug_info = True  # no "Provider List" banners on the worker's stdout
         config = get_config_from_spec(self.config_name)
-        model_cfg = {**config.get("model", {}), "model_name": f"hosted_vllm/{endpoint.model}",
+        # mini-swe-agent's YAML model config, passed through as its keyword arguments: any values.
+        model_cfg: dict[str, Any] = {**config.get("model", {}), "model_name": f"hosted_vllm/{endpoint.model}",
                      "cost_tracking": "ignore_errors",
                      "model_kwargs": {**config.get("model", {}).get("model_kwargs", {}),
                                       "api_base": endpoint.openai_base_url, "api_key": endpoint.api_key,

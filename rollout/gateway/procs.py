@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from envs.types import TerminationReason, Trajectory
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
@@ -58,11 +60,9 @@ class ChatSpec:
                    chat.tool_parser_name or "none", chat.reasoning_parser_name or "none")
 
     def build(self) -> tuple[Any, Any]:
-        from transformers import AutoTokenizer
+        from rollout.chat import build_continuity_builder, load_tokenizer
 
-        from rollout.chat import build_continuity_builder
-
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        tokenizer = load_tokenizer(self.model_path)
         chat = build_continuity_builder(tokenizer, self.family, self.keep_thinking, self.template_kwargs,
                                         tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
         return tokenizer, chat
@@ -135,9 +135,11 @@ class RemoteTurns:
     def __init__(self, peer: RpcPeer) -> None:
         self.peer = peer
 
-    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
+    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int] | np.ndarray,
                             sampling: Sampling) -> GeneratedTurn:
-        return await self.peer.call("generate_turn", router_session, request_id, list(prompt_ids), sampling)
+        # An array pickles as one buffer; a list of numpy scalars would pickle each id.
+        ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
+        return await self.peer.call("generate_turn", router_session, request_id, ids, sampling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +188,7 @@ class GatewayProcesses:
             self._procs.append(_Process(i, proc))
         try:
             await asyncio.wait_for(asyncio.gather(*(p.ready for p in self._procs)), self.start_timeout_s)
-        except BaseException:
+        except BaseException:  # timeout or cancellation included: the processes are stopped, then re-raised
             await self.stop()
             raise
         log.info("%d gateway processes: %s", self.num_processes, ", ".join(p.url for p in self._procs))
@@ -213,7 +215,7 @@ class GatewayProcesses:
         proc.open_sessions += 1
         try:
             session_id, token = await self._peer(proc).call("open_session", task_id, group_id, index)
-        except BaseException:
+        except BaseException:  # cancellation included: the count is given back, then re-raised
             proc.open_sessions -= 1
             raise
         return SessionHandle(proc.index, session_id, token, f"{proc.url}/sessions/{session_id}")

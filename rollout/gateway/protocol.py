@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from envs.types import Message, ToolCall
 from rollout.gateway.refusals import (DEFAULT_MAX_JSON_DEPTH, Protocol, ProtocolError, check_fields, checked_field,
-                                      invalid, load_json, require, unsupported, wrong_type)
+                                      load_json, require, unsupported, wrong_type)
 
 __all__ = ["Protocol", "ProtocolError", "TurnReply", "TurnRequest", "anthropic_response", "anthropic_stream",
            "extension_suffix", "openai_response", "openai_stream", "parse_anthropic_request",
@@ -206,7 +206,8 @@ def _openai_messages(raw: list[Any], max_depth: int) -> list[Message]:
             reasoning = checked_field(m, "reasoning_content", f"{where}.reasoning_content", "a string")
             messages.append(Message("assistant", text, calls, reasoning=reasoning))
             continue
-        require(m.get("tool_calls") is None, f"{where}.tool_calls", f"{where}: only assistant messages carry tool_calls")
+        require(m.get("tool_calls") is None, f"{where}.tool_calls",
+                f"{where}: only assistant messages carry tool_calls")
         if role == "tool":
             call_id = checked_field(m, "tool_call_id", f"{where}.tool_call_id", "a string")
             messages.append(Message("tool", text, name=names.get(call_id or "") or name))

@@ -50,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
+
 from envs.types import Message, TerminationReason, Trajectory
 from rollout.chat import ContinuityBuilder, encode
 from rollout.engine import Sampling
@@ -163,7 +165,7 @@ class TurnService(Protocol):
     """Where a gateway's generations go: the turn gate and the sticky router, in this
     process (LocalTurns) or in the worker's, for a gateway process (rollout.gateway.procs)."""
 
-    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int],
+    async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int] | np.ndarray,
                             sampling: Sampling) -> GeneratedTurn: ...
 
 
@@ -305,7 +307,7 @@ class Gateway:
         rec = await self._place_request(session, request)
         try:
             out = await self._generate(session, rec, request, extra_stops)
-        except BaseException:
+        except BaseException:  # cancellation included: reset as below, then re-raised
             # The new ids are recorded but no reply went out: whatever comes next starts
             # a new segment rather than appending the same messages twice.
             session.reply = None
