@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -81,7 +81,7 @@ class RouterStats:
 
 
 class Router:
-    def __init__(self, engines: dict[str, EngineClient], max_sessions: int = 100_000,
+    def __init__(self, engines: Mapping[str, EngineClient], max_sessions: int = 100_000,
                  request_timeout_s: float | None = None,
                  is_failure: Callable[[BaseException], bool] = is_engine_failure,
                  load_poll_s: float = 0.0, max_imbalance: int | None = None) -> None:

@@ -48,7 +48,8 @@ from envs.types import Group, Task, TerminationReason
 from trainer.train.advantages import compute_group_advantages
 from trainer.run.config import SluiceConfig
 from trainer.run.metrics import (BusyClock, EventSink, MetricsLogger, TranscriptSink,
-                             compute_batch_metrics, compute_loop_metrics, turn_events)
+                             compute_batch_metrics, compute_loop_metrics, mean_sample_reward,
+                             turn_events)
 from trainer.run.seams import RolloutSide, TrainerSide
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class Controller:
         self._group_ids = itertools.count()
         self._end_reasons: Counter[str] = Counter()
         self._cache_counters = (0, 0)  # prefix-cache queries, hits at the last step
-        self._push_event: dict[str, float] = {}
+        self._push_event: dict[str, object] = {}  # the last push's event row (mixed values, as JSON)
 
     # --- checkpointed state ------------------------------------------------------------
     def state(self) -> ControllerState:
@@ -362,7 +363,7 @@ class Controller:
             raise RuntimeError(f"eval at version {self.version} sampled tokens of versions "
                                f"{sorted(versions)}: a weight push landed during evaluation")
         samples = [t for t in trajs if t.segment == 0]  # one row per sample (segments share its ending)
-        mean = float(np.mean([t.reward for t in samples]))
+        mean = mean_sample_reward(samples)
         self.eval_rewards[self.version] = mean
         log.info("eval at version %d: mean reward %.3f over %d trajectories", self.version,
                  mean, len(samples))

@@ -28,6 +28,7 @@ from trainer.run.checkpoint import MODEL_FILES, copy_model_files
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,11 @@ def load_checkpoint_weights(checkpoint: Path) -> dict[str, "torch.Tensor"]:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(str(backend), tag=DS_TAG))
+        state = get_fp32_state_dict_from_zero_checkpoint(str(backend), tag=DS_TAG)
+        if state is None:
+            raise ValueError(f"{tag}: DeepSpeed read no weights from this ZeRO checkpoint; "
+                             "give a checkpoint the run finished writing")
+        return dict(state)
     files = sorted(tag.glob("mp_rank_*_model_states.pt"))
     if len(files) != 1:
         raise ValueError(f"{tag}: expected one mp_rank_*_model_states.pt, found {len(files)} "
@@ -132,7 +137,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model: str | N
     return out
 
 
-def _tied_keys(model: "torch.nn.Module") -> set[str]:
+def _tied_keys(model: PreTrainedModel) -> set[str]:
     """State-dict names that tie_weights() fills from another (e.g. an lm_head tied to the
     embeddings), so a checkpoint may lack them."""
     if not getattr(model.config, "tie_word_embeddings", False):

@@ -203,6 +203,14 @@ def turn_events(step: int, groups: Sequence[Group], limit: int) -> tuple[list[di
     return events, total - len(events)
 
 
+def mean_sample_reward(samples: Sequence[Trajectory]) -> float:
+    """Mean reward of rows that are one per sample. Only scored groups reach training and
+    evaluation, so every reward is set here."""
+    rewards = [t.reward for t in samples if t.reward is not None]
+    assert len(rewards) == len(samples), "an unscored trajectory reached the metrics"
+    return float(np.mean(rewards))
+
+
 def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, float]:
     """reward/*, staleness/*, rollout/*, end/* of the groups one step trains on. Rewards,
     endings and turns are per sample (its segments share one reward and ending); tokens,
@@ -211,7 +219,7 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
     samples = [t for t in trajs if t.segment == 0]  # one row per sample
     staleness = [t.staleness(version) for t in trajs if t.oldest_version is not None]
     turns = [u for t in trajs for u in t.turns]
-    out = {"reward/mean": float(np.mean([t.reward for t in samples])),
+    out = {"reward/mean": mean_sample_reward(samples),
            "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
            "staleness/max": float(max(staleness)) if staleness else 0.0,
            "rollout/tokens_generated": float(sum(t.num_model_tokens for t in trajs)),

@@ -123,7 +123,14 @@ def connect_cluster(cfg: SluiceConfig) -> None:
         context = ray.init(address="local", num_cpus=c.local_num_cpus, num_gpus=c.local_num_gpus,
                            resources={c.sandbox_resource: c.local_num_sandbox_slots},
                            include_dashboard=False, log_to_driver=True)
-        _record_private_cluster(context.address_info["session_dir"])
+        # ray.init is annotated as returning BaseContext; a local start (never a ray://
+        # client) returns a RayContext, whose address_info names the session folder.
+        from ray._private.worker import RayContext
+
+        assert isinstance(context, RayContext), type(context)
+        session_dir = context.address_info["session_dir"]
+        assert session_dir is not None, "ray.init started a cluster without a session folder"
+        _record_private_cluster(session_dir)
         return
     _check_reachable(c.address)
     try:

@@ -226,7 +226,7 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
     from rollout.router import Router
     from rollout.worker_actor import RayRollout, start_agent_workers
     from trainer.run.pools import build_pools, connect_cluster
-    from trainer.train.train_actor import RayTrainer, TrainGroup
+    from trainer.train.train_actor import RayTrainer, TrainGroup, engine_handles
     from trainer.train.weight_sync import build_transport
 
     connect_cluster(cfg)
@@ -235,9 +235,9 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
                                   cfg.rollout.num_engines, placed["rollout"])
     judge_path = str(resolve_model_path(cfg.reward.judge.model_path)) if cfg.reward.judge.enabled else None
     judge = await start_judge(cfg, judge_path or "", placed.get("judge"))
-    judge_handles = {n: c.handle for n, c in judge.engines.items()} if judge else None
+    judge_handles = engine_handles(judge.engines) if judge else None
     sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"], images=images)
-    workers = start_agent_workers(cfg, model_path, {n: c.handle for n, c in engines.items()},
+    workers = start_agent_workers(cfg, model_path, engine_handles(engines),
                                   sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
     router = Router(engines)
     group = TrainGroup(cfg, model_path, placed["train"])

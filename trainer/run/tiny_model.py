@@ -128,10 +128,11 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=False,  # vLLM CPU bug with tied
                          bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **MODEL_SHAPE)
+                         pad_token_id=tokenizer.pad_token_id, dtype="float32", **MODEL_SHAPE)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+        # transformers wraps PreTrainedModel.to with functools.wraps, which pyrefly reads as unbound
+        model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # pyrefly: ignore[bad-argument-type]
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -184,6 +184,20 @@ class TrainGroup:
         self.version = ray.get(self.ranks[0].version.remote())
 
 
+def engine_handles(engines: Mapping[str, object]) -> dict[str, ray.actor.ActorHandle]:
+    """The EngineActor handles behind RayEngineClients: what rank 0's push and the agent
+    workers call directly."""
+    from rollout.engine_actor import RayEngineClient
+
+    handles = {}
+    for name, engine in engines.items():
+        if not isinstance(engine, RayEngineClient):
+            raise TypeError(f"engine {name!r} is a {type(engine).__name__}, not a RayEngineClient: "
+                            "the Ray-side weight push and the agent workers need its actor handle")
+        handles[name] = engine.handle
+    return handles
+
+
 class RayTrainer:
     """The controller's TrainerSide: trains on the train group and pushes its weights to
     the engines behind `router`, verified; either way train rank 0 sends and the driver
@@ -214,7 +228,7 @@ class RayTrainer:
 
     async def push_weights(self, version: int) -> PushOutcome:
         if self.transport is None:
-            handles = {n: e.handle for n, e in self.router.engines.items()}
+            handles = engine_handles(self.router.engines)
             self.last_push = await self.group.ranks[0].send_push.remote(version, handles,
                                                                        self.verify)
             for name in self.last_push.failed_engines:  # rank 0 found it failed: stop routing to it

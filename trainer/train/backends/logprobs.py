@@ -31,12 +31,15 @@ the head module, which every chunk calls.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainer.train.backends.packing import PackedBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 PACKED_SDPA = "sluice_packed_sdpa"
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", PACKED_SDPA)
@@ -83,10 +86,20 @@ def build_block_causal_mask(packed: PackedBatch, device: torch.device | str = "c
     return allowed_TT[None, None]
 
 
-def _attention_kwargs(model: torch.nn.Module, packed: PackedBatch, device: torch.device,
+def _hf_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The Hugging Face causal LM: `model` itself, or the one a DeepSpeed engine wraps."""
+    from transformers import PreTrainedModel
+
+    inner = getattr(model, "module", model)  # DeepSpeedEngine.module; not a type of ours
+    if not isinstance(inner, PreTrainedModel):
+        raise TypeError(f"expected a Hugging Face causal LM or a DeepSpeed engine around one, "
+                        f"got {type(inner).__name__}")
+    return inner
+
+
+def _attention_kwargs(model: PreTrainedModel, packed: PackedBatch, device: torch.device,
                       dtype: torch.dtype) -> dict[str, torch.Tensor | int]:
-    # A DeepSpeed engine wraps the Hugging Face model; the config lives on the inner module.
-    config = getattr(model, "module", model).config
+    config = model.config
     impl = getattr(config, "_attn_implementation", "sdpa")
     if impl in VARLEN_ATTENTION:
         cu_seqlens = packed.cu_seqlens.to(device)
@@ -167,7 +180,7 @@ def _head_logprobs(hidden_CH: torch.Tensor, target_ids_C: torch.Tensor, head: to
 _REQUEST_KWARG = "sluice_logprob_request"
 
 
-def _install_logprob_forward(model: torch.nn.Module) -> None:
+def _install_logprob_forward(model: PreTrainedModel) -> None:
     """Give a Hugging Face causal LM a forward that, called with `sluice_logprob_request`,
     returns (logprobs_T, entropy_T) of one packed row computed in chunks (idempotent).
 
@@ -183,13 +196,18 @@ def _install_logprob_forward(model: torch.nn.Module) -> None:
         if request is None:
             return own_forward(*args, **kwargs)
         target_ids_T, temperature, with_entropy, entropy_grad, chunk_tokens = request
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (an LM head); "
+                             "chunked logprobs need a causal LM: set train.logprob_chunk_tokens=0")
         hidden_BTH = model.get_decoder()(*args, **kwargs).last_hidden_state
-        return compute_chunked_logprobs(hidden_BTH[0], model.get_output_embeddings(),
+        return compute_chunked_logprobs(hidden_BTH[0], head,
                                         target_ids_T, temperature, with_entropy, entropy_grad,
                                         chunk_tokens)
 
     model.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
-    model._sluice_logprob_forward = True
+    # torch types Module.__setattr__ values as Tensor | Module; a plain attribute is allowed
+    model._sluice_logprob_forward = True  # pyrefly: ignore[bad-argument-type]
 
 
 def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBatch,
@@ -204,10 +222,10 @@ def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBat
     `chunk_tokens` > 0 computes them from hidden states that many positions at a time
     (`compute_chunked_logprobs`); 0 materialises the whole row's logits.
     """
-    inner = getattr(model, "module", model)
+    inner = _hf_model(model)
     param = next(inner.parameters())
     device = param.device
-    kwargs = _attention_kwargs(model, packed, device, param.dtype)
+    kwargs = _attention_kwargs(inner, packed, device, param.dtype)
     target_ids_T = packed.target_ids_T.to(device)
     inputs = dict(input_ids=packed.input_ids_T[None].to(device),
                   position_ids=packed.position_ids_T[None].to(device), use_cache=False, **kwargs)

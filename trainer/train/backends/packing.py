@@ -86,8 +86,9 @@ def pack_trajectories(trajectories: Sequence[Trajectory], advantages_B: torch.Te
     labels = tuple(range(len(trajectories))) if traj_indices is None else tuple(traj_indices)
     if len(labels) != len(trajectories):
         raise ValueError(f"{len(labels)} traj_indices for {len(trajectories)} trajectories")
-    parts: dict[str, list[np.ndarray | torch.Tensor]] = {k: [] for k in (
-        "ids", "pos", "tgt", "mask", "behav", "adv", "seq")}
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in (
+        "ids", "pos", "tgt", "mask", "behav", "seq")}
+    advantages: list[torch.Tensor] = []
     for s, traj in enumerate(trajectories):
         ids = traj.input_ids().astype(np.int64)
         n, p = len(ids), len(traj.prompt_ids)
@@ -105,7 +106,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory], advantages_B: torch.Te
         parts["tgt"].append(np.concatenate([ids[1:], np.zeros(1, dtype=np.int64)]))
         parts["mask"].append(mask)
         parts["behav"].append(behav)
-        parts["adv"].append(adv)
+        advantages.append(adv)
         parts["seq"].append(np.full(n, s, dtype=np.int64))
     lengths = [len(x) for x in parts["ids"]]
     cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
@@ -115,7 +116,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory], advantages_B: torch.Te
         target_ids_T=torch.from_numpy(np.concatenate(parts["tgt"])),
         loss_mask_T=torch.from_numpy(np.concatenate(parts["mask"])),
         behaviour_logprobs_T=torch.from_numpy(np.concatenate(parts["behav"])),
-        advantages_T=torch.cat(parts["adv"]),
+        advantages_T=torch.cat(advantages),
         seq_index_T=torch.from_numpy(np.concatenate(parts["seq"])),
         cu_seqlens=cu_seqlens, traj_indices=labels,
         prompt_lens=tuple(len(t.prompt_ids) for t in trajectories))

@@ -133,16 +133,14 @@ def compute_combined_metrics(parts: Sequence[LossMetrics], loss_weights: Sequenc
     if not parts:
         raise ValueError("no metrics to combine")
     num_tokens = sum(m.num_tokens for m in parts)
-    values: dict[str, float | int] = {}
+    values: dict[str, float] = {}  # the float fields; the counts are passed as ints
     for name in LOSS_LIKE:
         values[name] = float(sum(w * getattr(m, name) for m, w in zip(parts, loss_weights)))
     for name in TOKEN_FRACTIONS:
         values[name] = (sum(getattr(m, name) * m.num_tokens for m in parts) / num_tokens
                         if num_tokens else 0.0)
     values["is_weight_max"] = max(m.is_weight_max for m in parts)
-    values["num_tokens"] = num_tokens
-    values["num_seqs"] = sum(m.num_seqs for m in parts)
-    return LossMetrics(**values)
+    return LossMetrics(**values, num_tokens=num_tokens, num_seqs=sum(m.num_seqs for m in parts))
 
 
 def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
