@@ -49,7 +49,7 @@ def trusted_test_files(task: Task) -> dict[str, str]:
             for name in names:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, task.grading.hidden_tests).replace(os.sep, "/")
-                text = _read(full) if name.endswith(".py") else None
+                text = read_source(full) if name.endswith(".py") else None
                 if text is not None:
                     found[f"{HIDDEN_TESTS_DIR}/{rel}"] = text
     if task.source_dir is None or task.grading.log_parser is not None:
@@ -61,14 +61,14 @@ def trusted_test_files(task: Task) -> dict[str, str]:
             result = patched[rel]
             text = None if result is None else result.data.decode("utf-8", "replace")
         else:
-            text = _read(os.path.join(task.source_dir, rel))
+            text = read_source(os.path.join(task.source_dir, rel))
         if text is not None:
             found[rel] = text
         folder = rel
         while folder:
             folder = os.path.dirname(folder)
             conftest = f"{folder}/conftest.py" if folder else "conftest.py"
-            text = _read(os.path.join(task.source_dir, conftest))
+            text = read_source(os.path.join(task.source_dir, conftest))
             if text is not None:
                 found[conftest] = text
     return found
@@ -93,7 +93,7 @@ def support_modules(source_dir: str | None, trusted: Mapping[str, str],
                 if rel in visited:
                     continue
                 visited.add(rel)
-                code = _read(os.path.join(source_dir, rel))
+                code = read_source(os.path.join(source_dir, rel))
                 if code is None:
                     continue
                 if is_test(rel):
@@ -175,7 +175,8 @@ def is_support(path: str, text: str) -> bool:
     return asserts and bool(frameworks)
 
 
-def _read(path: str) -> str | None:
+def read_source(path: str) -> str | None:
+    """A text file's contents, or None where it cannot be read as UTF-8."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

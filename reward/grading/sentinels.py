@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from reward.grading.import_graph import read_source
 from reward.grading.mutation import Site, mutation_sites, replace_literal, variants
 
 WORDS = ("again", "basic", "case", "check", "edge", "extra", "inputs", "large", "mixed", "more",
@@ -156,17 +157,9 @@ def _node_id(path: str, template: Template, name: str) -> str:
     return f"{path}::{template.cls.name}::{name}" if template.cls else f"{path}::{name}"
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
 def _read_lines(path: str) -> tuple[str, list[str]]:
     """A test file's text and its lines, the last one ending in a newline."""
-    text = _read(path)
+    text = read_source(path)
     assert text is not None
     lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith(("\n", "\r")):
@@ -175,7 +168,7 @@ def _read_lines(path: str) -> tuple[str, list[str]]:
 
 
 def _templates(path: str, collection: Collection) -> list[Template]:
-    text = _read(path)
+    text = read_source(path)
     if text is None:
         return []
     try:
@@ -361,7 +354,7 @@ def plant_mutation_sentinels(dest: str, target_files: list[str], rng: random.Ran
     seen = seen or {}
     candidates = []
     for path in target_files:
-        text = _read(os.path.join(dest, path))
+        text = read_source(os.path.join(dest, path))
         if text is None:
             continue
         lines = text.splitlines(keepends=True)
