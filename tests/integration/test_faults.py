@@ -25,7 +25,7 @@ import pytest
 from envs.sandbox import workspace
 from quickstart_run import quickstart_config
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1200)
 
 
 def _metric_rows(run_dir) -> list[dict]:
