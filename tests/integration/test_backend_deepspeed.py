@@ -2,13 +2,14 @@
 equal per-sequence ones, training moves logprobs the way advantages say, the first
 minibatch is exactly on-policy, gradient accumulation equals one big micro-batch, ZeRO-1/2/3
 train like plain torch AdamW, the pushed weights reproduce the backend's logprobs in a
-fresh transformers model, and two ranks (torchrun) with uneven shards train like one
-process on their union.
+fresh transformers model, two ranks (torchrun) with uneven shards train like one
+process on their union, and none of it compiles an op (the last test).
 
 Trajectories are multi-turn tool conversations rendered with the tiny model's chat
 template: assistant tokens (mask 1) around tool-response and template tokens (mask 0).
-The first run builds DeepSpeed's C++ ops (shm comm, fused Adam: 70-100 s on 2 cores) into
-TORCH_EXTENSIONS_DIR; later runs load them.
+DeepSpeed's JIT-built ops (shm comm, FusedAdam: 130 s of g++ on 2 cores, and a lock file
+that a killed rank leaves behind) are never used: this file gets an empty
+TORCH_EXTENSIONS_DIR of its own and checks at the end that it stayed empty.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,13 +43,19 @@ LR = 1e-3  # large for a 0.5M-parameter model on purpose: a few steps must move 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def deepspeed_env():
-    """CPU DeepSpeed with the op builds cached next to the tiny model (set unless given)."""
-    from envs.cache import default_cache_dir
-
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default_cache_dir() / "torch_extensions"))
+def deepspeed_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """CPU DeepSpeed with an empty TORCH_EXTENSIONS_DIR of this file's own (its torchrun
+    ranks inherit it); the folder, for the last test to look into."""
+    folder = tmp_path_factory.mktemp("torch_extensions")
+    before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    yield folder
+    if before is None:
+        os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = before
 
 
 def build_trajectory(tok, index: int, a: int, b: int, num_tool_rounds: int) -> Trajectory:
@@ -336,3 +344,8 @@ def test_two_ranks_with_uneven_shards_train_like_one_process(tiny_model_path, tr
 
 if __name__ == "__main__":
     run_two_rank_worker(Path(sys.argv[1]))
+
+
+def test_no_deepspeed_op_was_compiled(deepspeed_env: Path) -> None:
+    """Every backend above started (ZeRO-1/2/3, two torchrun ranks) without a JIT build."""
+    assert not any(deepspeed_env.iterdir()), sorted(p.name for p in deepspeed_env.iterdir())

@@ -205,7 +205,9 @@ async def test_failed_trajectories_follow_the_failure_policy():
     summary = await ctl.run(check_every_step(ctl))
     assert summary.dropped.get("failed", 0) >= 1
     assert all(t.task_id != "t1" for b in trainer.batches for t in b.trajectories)
-    ctl, _, trainer = make(FakeRollout(fail=fail), steps=3, policy="resubmit", breaker=50,
+    # Enough steps that t1 (admitted in the first epoch of 6 tasks) has come back twice
+    # before the run ends, however late in that epoch the seeded order puts it.
+    ctl, _, trainer = make(FakeRollout(fail=fail), steps=8, policy="resubmit", breaker=50,
                            buffer={"max_resubmits": 1})
     summary = await ctl.run(check_every_step(ctl))
     assert summary.dropped.get("resubmits_exhausted", 0) >= 1

@@ -4,8 +4,13 @@ packed micro-batches, and hands out full weights under Hugging Face names for th
 
 deepspeed and torch.distributed are imported inside the methods that need them. On CPU
 the accelerator is DeepSpeed's `cpu` one with gloo (DS_ACCELERATOR=cpu must be set before
-deepspeed is first imported; the backend sets it when it is unset). DeepSpeed builds its
-C++ ops (shm comm, fused Adam) with g++ on first use into TORCH_EXTENSIONS_DIR.
+deepspeed is first imported; the backend sets it when it is unset).
+
+Nothing is compiled at start: the optimizer is torch's fused AdamW (DeepSpeed's `torch_adam`)
+and DeepSpeed's CPU shared-memory all-reduce op is switched off (gloo does the CPU
+collectives). Both of DeepSpeed's own kernels are JIT-built with a compiler on first use
+(40-130 s; on GPU, nvcc must match torch's CUDA exactly) behind one lock file per op, and a
+rank killed while it builds leaves that lock behind: every later start waits on it forever.
 """
 
 from __future__ import annotations
@@ -53,6 +58,19 @@ def init_process_group(device: torch.device) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
 
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
+
+
+def _skip_jit_comm_op() -> None:
+    """Mark DeepSpeed's CPU shared-memory all-reduce op as unavailable, so its comm backend
+    uses plain torch.distributed (gloo) instead of JIT-building the op (see the module
+    docstring). DeepSpeed keeps its probe of compatible ops in one module-level dict for
+    this purpose; the op exists only for the CPU accelerator."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False
+
+
 def build_deepspeed_config(cfg: TrainConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The DeepSpeed config of a TrainConfig.
 
@@ -66,9 +84,10 @@ def build_deepspeed_config(cfg: TrainConfig, dtype: torch.dtype) -> dict[str, An
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
+        # torch's fused AdamW, not DeepSpeed's FusedAdam: nothing to JIT-compile at start.
         "optimizer": {"type": "AdamW", "params": {
             "lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": list(ADAM_BETAS),
-            "eps": ADAM_EPS}},
+            "eps": ADAM_EPS, "torch_adam": True, "fused": True}},
         "gradient_clipping": cfg.max_grad_norm,
         "zero_optimization": {"stage": cfg.zero_stage},
         "bf16": {"enabled": dtype == torch.bfloat16},
@@ -84,6 +103,7 @@ def _import_deepspeed(device: torch.device) -> Any:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    _skip_jit_comm_op()
     found = get_accelerator().device_name()
     if found != device.type:
         raise ValueError(f"DeepSpeed chose the {found!r} accelerator for a {device.type!r} "
