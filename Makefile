@@ -2,8 +2,10 @@
 # Both run scripts/setup.sh first, which is idempotent and cheap once done.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Heavy first-use work (the tiny model, DeepSpeed op builds) is cached here and reused.
-export SLUICE_CACHE_DIR ?= $(CURDIR)/.cache/sluice
+# Heavy first-use work (the tiny model, its warm start, task images, the GPU-install
+# resolution) is cached per user, outside the checkout, keyed by what built it: a second
+# clone or a CI checkout reuses it.
+export SLUICE_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/sluice
 export TORCH_EXTENSIONS_DIR ?= $(SLUICE_CACHE_DIR)/torch_extensions
 export WANDB_MODE ?= offline
 

@@ -98,7 +98,7 @@ class AgentContext:
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """The ids a turn of this chat family ends with (some families have several)."""
-        return tuple(getattr(self.chat, "stop_token_ids", None) or (self.chat.end_of_turn_id,))
+        return self.chat.stop_token_ids
 
     def ended_with_stop(self, out: TokenOutput) -> bool:
         """Whether the generation ended on one of the family's stop tokens (not by length)."""

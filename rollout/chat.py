@@ -164,10 +164,23 @@ FAMILIES: dict[str, ChatFamily] = {f.name: f for f in (
 
 class ContinuityBuilder(Protocol):
     """Turns messages into the ids appended to a trajectory and reads the model's turns;
-    holds no per-trajectory state."""
+    holds no per-trajectory state. A builder of one's own subclasses it to inherit the
+    defaults of `stop_token_ids`, `parser` and `continuation_ids`."""
+
+    __slots__ = ()
 
     @property
     def end_of_turn_id(self) -> int: ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids a turn of this chat family ends with (some families have several)."""
+        return (self.end_of_turn_id,)
+
+    @property
+    def parser(self) -> OutputParser | None:
+        """The parsers of the model's turns; None: those of the tokenizer's detected family."""
+        return None
 
     @property
     def starts_segment_on_user_turn(self) -> bool: ...
@@ -181,6 +194,12 @@ class ContinuityBuilder(Protocol):
                          generation_ended_with_eos: bool) -> list[int]: ...
 
     def reset_context(self, messages: Sequence[Message], tools: Tools | None) -> list[int]: ...
+
+    def continuation_ids(self, new_messages: Sequence[Message],
+                         generation_ended_with_eos: bool) -> list[int] | None:
+        """Ids after a generation for new messages of mixed roles (tool results, then a user
+        message); None where the builder cannot append them (a new segment starts)."""
+        return None
 
 
 def template_messages(messages: Sequence[Message], family: ChatFamily | None = None) -> list[dict[str, Any]]:
@@ -220,7 +239,7 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-class TemplateContinuity:
+class TemplateContinuity(ContinuityBuilder):
     """The continuity builder for every built-in family: the template itself supplies the
     glue, `family` supplies the stop tokens and how the template treats reasoning, and
     `parser` reads the model's turns with the family's (or the recipe's) vLLM parsers.
@@ -243,6 +262,8 @@ class TemplateContinuity:
 
     __slots__ = ("tokenizer", "family", "keep_thinking", "template_kwargs", "end_of_turn_id",
                  "stop_token_ids", "close_glue", "_tool_parser", "_reasoning_parser", "_parser")
+    end_of_turn_id: int
+    stop_token_ids: tuple[int, ...]
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, family: ChatFamily,
                  keep_thinking: bool = True, template_kwargs: Mapping[str, Any] | None = None, *,
@@ -309,6 +330,12 @@ class TemplateContinuity:
                              "thinking on a user turn: call reset_context(messages, tools) and start "
                              "a new segment, or build with keep_thinking=True")
         return encode(self.tokenizer, self._continuation(user_messages, generation_ended_with_eos))
+
+    def continuation_ids(self, new_messages: Sequence[Message],
+                         generation_ended_with_eos: bool) -> list[int]:
+        """Ids after a generation for any new messages: the template's own continuation
+        after the assistant turn, as for tool results or user messages alone."""
+        return encode(self.tokenizer, self._continuation(new_messages, generation_ended_with_eos))
 
     def reset_context(self, messages: Sequence[Message], tools: Tools | None) -> list[int]:
         """Prompt ids of a new segment: the whole conversation re-rendered by the template,

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     import numpy as np
     from transformers import PreTrainedTokenizerBase
 
+    from rollout.chat import ContinuityBuilder
+
 log = logging.getLogger(__name__)
 
 Tools = Sequence[Mapping[str, Any]]  # OpenAI function schemas
@@ -206,10 +208,10 @@ def _quiet_vllm_parser_logs() -> None:
 _FAMILY_PARSERS: "weakref.WeakKeyDictionary[Any, OutputParser]" = weakref.WeakKeyDictionary()
 
 
-def output_parser_of(chat: Any, tokenizer: "PreTrainedTokenizerBase") -> OutputParser:
+def output_parser_of(chat: ContinuityBuilder, tokenizer: PreTrainedTokenizerBase) -> OutputParser:
     """The builder's parsers, or the detected family's for a builder without any."""
-    parser = getattr(chat, "parser", None)
-    if isinstance(parser, OutputParser):
+    parser = chat.parser
+    if parser is not None:
         return parser
     cached = _FAMILY_PARSERS.get(tokenizer)
     if cached is None:
@@ -220,13 +222,13 @@ def output_parser_of(chat: Any, tokenizer: "PreTrainedTokenizerBase") -> OutputP
     return cached
 
 
-def parse_generation(chat: Any, tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int] | np.ndarray, *,
-                     tools: Tools | None, max_calls: int,
+def parse_generation(chat: ContinuityBuilder, tokenizer: PreTrainedTokenizerBase,
+                     token_ids: Sequence[int] | np.ndarray, *, tools: Tools | None, max_calls: int,
                      prompt_ids: Sequence[int] | np.ndarray | None = None) -> ParsedTurn:
     """One generation (ids as the engine returned them, stop token included or not) read
     by the builder's parsers; `prompt_ids` are the ids the engine was sent."""
     ids = [int(i) for i in token_ids]
-    stops = getattr(chat, "stop_token_ids", None) or (chat.end_of_turn_id,)
+    stops = chat.stop_token_ids
     if ids and ids[-1] in stops:
         ids = ids[:-1]
     from rollout.chat import decode_text  # deferred: rollout.chat builds on this module

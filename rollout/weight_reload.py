@@ -67,6 +67,8 @@ class WeightReloadExtension:
     """Methods mixed into vLLM's worker; `self.model_runner` is the worker's runner,
     `self.rank` its rank inside the engine and `self.device` its device."""
 
+    _sluice_comm: WeightCommunicator | None = None  # the broadcast group, once joined
+
     def sluice_load_weights(self, blob: bytes | None = None, path: str | None = None) -> None:
         if (blob is None) == (path is None):
             raise ValueError("pass exactly one of blob (safetensors bytes) or path (a folder)")
@@ -88,7 +90,7 @@ class WeightReloadExtension:
         return rank
 
     def sluice_drop_weight_group(self) -> None:
-        abort_quietly(getattr(self, "_sluice_comm", None))
+        abort_quietly(self._sluice_comm)
         self._sluice_comm = None
 
     def sluice_receive_weights(self, wire: list[dict[str, Any]]) -> None:
@@ -96,7 +98,7 @@ class WeightReloadExtension:
         in memory at a time, within sync.timeout_s. When a broadcast fails the group is
         aborted and dropped, and this raises WeightGroupError: the weights are then partly
         loaded, and the trainer sends them again through a new group."""
-        comm = getattr(self, "_sluice_comm", None)
+        comm = self._sluice_comm
         if comm is None:
             raise WeightGroupError("no weight group: sluice_receive_weights before "
                                    "sluice_init_weight_group, or the last push aborted it")

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from envs.sandbox.base import WORKSPACE_MOUNT, Sandbox
+from envs.sandbox.workspace import HostWorkspaceSandbox
 from envs.types import HIDDEN_TESTS_DIR, Task
 from reward.grading import boot as boot_module
 from reward.grading import driver as driver_module
@@ -411,11 +412,12 @@ def lock_protected(sandbox: Sandbox, paths: Iterable[str]) -> bool:
     """Make `paths` and every folder above them root-owned and read-only for the sandbox's
     uid, so the test process can neither edit nor swap them (a folder's entries cannot be
     renamed or replaced without write access to it). Needs a backend whose workspace is
-    a folder on this host (LocalSandbox) and root; returns False where that is not the
-    case, and grading then relies on the driver's post-run checks alone."""
-    workspace = getattr(sandbox, "workspace_dir", None)
-    if not isinstance(workspace, str) or os.geteuid() != 0:
+    a folder on this host (a HostWorkspaceSandbox: LocalSandbox, ContainerSandbox) and
+    root; returns False where that is not the case, and grading then relies on the
+    driver's post-run checks alone."""
+    if not isinstance(sandbox, HostWorkspaceSandbox) or os.geteuid() != 0:
         return False
+    workspace = sandbox.workspace_dir
     folders = {""}
     for rel in paths:
         # Only through real folders: a source symlink must never lead a root chown outside.

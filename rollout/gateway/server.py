@@ -338,7 +338,7 @@ class Gateway:
 
     @property
     def _stop_ids(self) -> tuple[int, ...]:
-        return tuple(getattr(self.chat, "stop_token_ids", None) or (self.chat.end_of_turn_id,))
+        return self.chat.stop_token_ids
 
     async def _place_request(self, session: GatewaySession, request: TurnRequest) -> TrajectoryRecorder:
         """Append the request's new messages to the open segment, or start a new one. The
@@ -419,10 +419,7 @@ class Gateway:
                 return self.chat.user_message_ids(suffix, ended_with_stop)
             # Tool results then a user message (an Anthropic user turn with both): the
             # template's own continuation after the assistant turn, as for either alone.
-            continuation = getattr(self.chat, "_continuation", None)
-            if continuation is None:
-                return None
-            return encode(self.tokenizer, continuation(suffix, ended_with_stop))
+            return self.chat.continuation_ids(suffix, ended_with_stop)
         except ValueError:  # the builder cannot continue exactly here: a fresh render can
             return None
 

@@ -125,7 +125,9 @@ def test_a_receiver_that_hangs_or_dies_mid_push_frees_every_rank_within_the_boun
             sender.send(buckets, iter(weights.items()), Deadline(timeout_s))
         rank0_s = time.monotonic() - start
         assert not sender.connected
-        bound_s = timeout_s + 2 if fault == "hangs" else 5  # dies: no waiting for the deadline
+        # Slack for a loaded machine (three test workers on two cores); a rank stuck in a
+        # collective would never come back, and "dies" stays far below its 60 s deadline.
+        bound_s = timeout_s + 10 if fault == "hangs" else 20
         assert rank0_s < bound_s
         for i in survivors:
             status, message, seconds = receivers.reply(i)
@@ -135,11 +137,13 @@ def test_a_receiver_that_hangs_or_dies_mid_push_frees_every_rank_within_the_boun
             os.kill(receivers.procs[victim].pid, signal.SIGKILL)
 
         # The survivors, in the same processes, form a smaller group and get everything,
-        # though one starts late (rank 0 waits for it over several wait slices).
-        sender = receivers.form_group(survivors, timeout_s)
+        # though one starts late (rank 0 waits for it over several wait slices). A healthy
+        # push gets a deadline no loaded machine reaches: this half checks delivery.
+        healthy_s = 60.0
+        sender = receivers.form_group(survivors, healthy_s)
         for i in survivors:
-            receivers.queues[i][0].put(("receive", wire, timeout_s, None, 0.5 if i == 0 else 0))
-        assert sender.send(buckets, iter(weights.items()), Deadline(timeout_s)) == 32 * MiB
+            receivers.queues[i][0].put(("receive", wire, healthy_s, None, 0.5 if i == 0 else 0))
+        assert sender.send(buckets, iter(weights.items()), Deadline(healthy_s)) == 32 * MiB
         expected = checksum_tensors(weights, sorted(weights))
         assert [receivers.reply(i)[:2] for i in survivors] == [("ok", expected)] * 2
         print(f"\n{fault}: rank 0 left the group after {rank0_s:.2f}s (sync.timeout_s={timeout_s})")
@@ -160,8 +164,8 @@ def test_forming_a_group_stops_waiting_for_a_missing_rank_once_rank_zero_gives_u
         start = time.monotonic()
         with pytest.raises(WeightGroupError, match="another rank aborted"):
             sender.connect(3)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 20  # far below the 60 s deadline, even loaded
         status, message, seconds = receivers.reply(0)
-        assert status == "not joined" and "aborted" in message and seconds < 5
+        assert status == "not joined" and "aborted" in message and seconds < 20
     finally:
         receivers.close()

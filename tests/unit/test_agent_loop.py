@@ -16,7 +16,7 @@ from envs.tools.calculator import CalculatorTool
 from envs.trajectory_env import EnvBuilder
 from reward.loop import RewardLoop
 from rollout.agent_loop import LoopSettings, ToolAgentLoop, load_agent_loop
-from rollout.chat import build_continuity_builder, check_continuity
+from rollout.chat import ContinuityBuilder, build_continuity_builder, check_continuity
 from rollout.engine import TokenOutput
 from rollout.recorder import Budgets
 from rollout.router import Router
@@ -327,12 +327,15 @@ async def test_continuity_check_ignores_generations_that_do_not_retokenize(token
 async def test_continuity_check_mode_reports_a_broken_builder(tokenizer):
     import dataclasses
 
-    class GlueDroppingBuilder:
+    class GlueDroppingBuilder(ContinuityBuilder):
         """A broken builder: forgets the newline after <|im_end|>."""
 
         def __init__(self, inner):
             self.inner = inner
-            self.end_of_turn_id = inner.end_of_turn_id
+
+        @property
+        def end_of_turn_id(self):
+            return self.inner.end_of_turn_id
 
         def initial_prompt_ids(self, messages, tools):
             return self.inner.initial_prompt_ids(messages, tools)

@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -21,6 +21,9 @@ from trainer.train.config import TrainRecipe
 from trainer.train.outcomes import PushOutcome, TrainOutcome
 from trainer.train.weight_sync import WeightSyncError
 from trainer.train.weight_sync_nccl import BroadcastTransport
+
+if TYPE_CHECKING:
+    from trainer.train.backends import TrainBackend
 
 
 @ray.remote
@@ -118,21 +121,17 @@ def _node_address_and_port() -> tuple[str, int]:
 
 
 class BackendWeights:
-    """A backend's weights as trainer.train.weight_sync_nccl.WeightSource: shapes without a
-    gather where the backend can tell them, and its one-tensor-at-a-time walk."""
+    """A backend's weights as trainer.train.weight_sync_nccl.WeightSource: its shapes
+    (without a gather where the backend can tell them) and its one-tensor-at-a-time walk."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: TrainBackend) -> None:
         self.backend = backend
 
     def specs(self) -> list:
-        from rollout.weight_protocol import specs_of
-
-        push_specs = getattr(self.backend, "push_specs", None)
-        return push_specs() if push_specs is not None else specs_of(self.backend.state_dict_for_push())
+        return self.backend.push_specs()
 
     def walk(self) -> Iterator[tuple[str, Any]]:
-        walk = getattr(self.backend, "iter_push_tensors", None)  # one full tensor at a time
-        return walk() if walk is not None else iter(self.backend.state_dict_for_push().items())
+        return self.backend.iter_push_tensors()  # one full tensor at a time
 
 
 class TrainGroup:

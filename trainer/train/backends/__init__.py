@@ -9,7 +9,7 @@ imported only when resolved, so choosing `torch` never imports deepspeed.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,7 +39,11 @@ class TrainBackend(Protocol):
 
     def train_step(self, batch: TrainBatch, cfg_loss: LossConfig) -> StepResult: ...
 
-    def state_dict_for_push(self) -> dict[str, torch.Tensor]: ...
+    def state_dict_for_push(self) -> dict[str, torch.Tensor]: ...  # full weights, HF names, CPU
+
+    def push_specs(self) -> list[tuple[str, tuple[int, ...], str, int]]: ...  # name, shape, dtype, size
+
+    def iter_push_tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...  # one full tensor at a time
 
     def save_state(self, folder: str | Path) -> None: ...  # model, optimizer, scheduler, version
 

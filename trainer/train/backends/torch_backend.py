@@ -3,7 +3,7 @@ step loop as the DeepSpeed backend without DeepSpeed, for fast tests and debuggi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -107,3 +107,7 @@ class TorchBackend:
         """Full weights under Hugging Face names as CPU tensors."""
         return {name: t.detach().to("cpu", copy=True) for name, t in
                 iter_weight_names(self._model)}
+
+    def iter_push_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) for every weight: those of `state_dict_for_push`."""
+        return iter(self.state_dict_for_push().items())
