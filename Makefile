@@ -20,10 +20,11 @@ quickstart: setup
 	$(PY) -m trainer.main recipe=quickstart.yaml
 	$(PY) -m launch.report --latest runs --wandb
 
-# Parallel workers (pytest-xdist): the suite waits more than it computes (engine starts,
-# sandboxes, subprocesses), so 3 workers keep 2 cores busy; each file runs on one worker
-# (tests/conftest.py), slowest first. TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 3
+# Parallel workers (pytest-xdist), one per core: each file runs on one worker
+# (tests/conftest.py), slowest first. A third worker bought no wall time on 2 cores (25.4
+# min warm, as serial) and put three whole systems at once on them, where Ray's fixed 30 s
+# wait for a raylet to register ran out. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest tests/unit tests/integration -q --durations=30 \
 	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -4,7 +4,7 @@ suite.
 Markers: tests under integration/ and gpu/ are marked by folder, so `pytest tests/unit`
 stays fast and `-m "not integration"` works anywhere.
 
-Parallel runs (`make test`: `-n 3 --dist loadfile`): each file is one unit of work, so its
+Parallel runs (`make test`: `-n 2 --dist loadfile`): each file is one unit of work, so its
 module-scoped fixtures (a vLLM engine, a Ray cluster, a whole run several checks read)
 start once, on one worker; checks that share a fixture live in one file. Not `loadgroup`:
 with pytest 9.2 (a structured node id), pytest-xdist 3.8's `xdist_group` suffix is never

@@ -103,10 +103,10 @@ def test_a_killed_engine_and_vanishing_sandboxes_do_not_stop_the_run(tmp_path, o
 def test_tool_calls_that_time_out_become_observations(tmp_path):
     from trainer.run.system import run
 
-    cfg = quickstart_config(tmp_path, "timeouts", "train.num_steps=2",
+    cfg = quickstart_config(tmp_path, "timeouts", "train.num_steps=1",
                             "agent.tool_timeout_s=0.001")
     summary, run_dir = asyncio.run(run(cfg, "timeouts"))
-    assert summary.steps == 2
+    assert summary.steps == 1
     _assert_accounted(summary)
     rows = _metric_rows(run_dir)
     assert sum(r["rollout/tool_timeouts"] for r in rows) > 0
