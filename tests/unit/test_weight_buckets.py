@@ -225,3 +225,55 @@ def test_a_push_fails_loudly_when_rank_zero_breaks_checksums_differ_or_attempts_
         with pytest.raises(WeightSyncError, match=message):
             asyncio.run(BroadcastTransport(rank0, timeout_s=5).push(fake_router(["e0", "e1"]), 7))
         assert not rank0.outcomes  # no attempt beyond the scripted ones
+
+
+class RacingWork:
+    """A c10d Work whose op finishes just after a wait's slice ran out: that wait raises
+    "Operation timed out!" while is_completed() is already True (seen on a loaded machine:
+    the healthy push of test_weight_group_faults failed so). `error`: the op's own failure."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.waits = error, 0
+
+    def wait(self, timeout=None) -> bool:
+        self.waits += 1
+        if timeout is not None and self.waits == 1:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waits >= 1
+
+
+class OneWorkGroup:
+    def __init__(self, work: RacingWork) -> None:
+        self.work = work
+
+    def broadcast(self, tensors, options) -> RacingWork:
+        return self.work
+
+
+class NeverRaisedStore:
+    def check(self, keys) -> bool:
+        return False
+
+
+def _broadcast_with(work: RacingWork) -> None:
+    from rollout.weight_group import AbortFlag, GlooBroadcast
+
+    comm = GlooBroadcast.__new__(GlooBroadcast)  # no process group: the stand-in's op
+    comm._flag, comm._group = AbortFlag(NeverRaisedStore()), OneWorkGroup(work)
+    comm.broadcast(torch.zeros(4), 0, timeout_s=5.0)
+
+
+def test_a_broadcast_done_just_after_its_wait_slice_ran_out_succeeds():
+    work = RacingWork()
+    _broadcast_with(work)
+    assert work.waits == 2  # the slice's timeout, then the op's own (successful) outcome
+
+
+def test_a_broadcast_that_failed_just_after_its_wait_slice_ran_out_raises_its_own_error():
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        _broadcast_with(RacingWork(RuntimeError("Connection reset by peer")))
