@@ -174,8 +174,10 @@ def pytest7_task(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Task]:
     skipped without root, bubblewrap or a working podman)."""
     from test_image_tasks import PYTEST7, calc_image_row
 
+    # Its own project layer: test_image_tasks builds and removes images of the same
+    # repository on another worker at the same time (one podman storage, no shared tag).
     path, row, engine = calc_image_row(tmp_path_factory.mktemp("inprocess_image"),
-                                       "demo/calc7inproc", "test-calc-pytest7", PYTEST7)
+                                       "demo/calc7inproc", "test-calc-pytest7-inproc", PYTEST7)
     [task] = load_tasks(str(path))
     yield task
     from envs.sandbox.engine import run_engine
