@@ -103,7 +103,8 @@ def _import_deepspeed(device: torch.device) -> Any:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    _skip_jit_comm_op()
+    if device.type == "cpu":  # the op is the cpu accelerator's; elsewhere skip DeepSpeed's probe of ops
+        _skip_jit_comm_op()
     found = get_accelerator().device_name()
     if found != device.type:
         raise ValueError(f"DeepSpeed chose the {found!r} accelerator for a {device.type!r} "
