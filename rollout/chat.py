@@ -319,7 +319,7 @@ class TemplateContinuity(ContinuityBuilder):
         """Ids after a generation: close the assistant turn (only the part the model did not
         emit), all tool results of this turn, then the next generation prompt."""
         _require_roles(tool_messages, "tool", "observation_ids")
-        return encode(self.tokenizer, self._continuation(tool_messages, generation_ended_with_eos))
+        return self.continuation_ids(tool_messages, generation_ended_with_eos)
 
     def user_message_ids(self, user_messages: Sequence[Message],
                          generation_ended_with_eos: bool) -> list[int]:
@@ -329,7 +329,7 @@ class TemplateContinuity(ContinuityBuilder):
             raise ValueError(f"family {self.family.name!r} with keep_thinking=False drops earlier "
                              "thinking on a user turn: call reset_context(messages, tools) and start "
                              "a new segment, or build with keep_thinking=True")
-        return encode(self.tokenizer, self._continuation(user_messages, generation_ended_with_eos))
+        return self.continuation_ids(user_messages, generation_ended_with_eos)
 
     def continuation_ids(self, new_messages: Sequence[Message],
                          generation_ended_with_eos: bool) -> list[int]:
