@@ -425,7 +425,7 @@ class TemplateContinuity(ContinuityBuilder):
                                  f"start with the stop token that closes a final turn "
                                  f"({close_glue!r})")
             without_prompt = self._suffix_after(PLACEHOLDER, sample, add_generation_prompt=False)
-            eos = getattr(self.tokenizer, "eos_token", None)
+            eos = self.tokenizer.eos_token
             if eos and without_prompt.endswith(eos):  # Phi-3 ends a conversation with eos
                 without_prompt = without_prompt[:-len(eos)]
             if not suffix.startswith(without_prompt):

@@ -49,7 +49,7 @@ from collections.abc import Iterator
 
 from envs.types import Task
 from reward.grading.runner_log import unittest_key
-from reward.grading.sentinels import (MUTANTS_PER_TASK, Collection, Planted,
+from reward.grading.sentinels import (MUTANTS_PER_TASK, Collection, Planted, last_name,
                                       plant_mutation_sentinels, plant_sentinels)
 
 _TEST_WORDS = frozenset({"test", "tests", "testing", "runtests", "runner", "testrunner"})
@@ -237,8 +237,7 @@ def _without_base_classes(dest: str, paths: dict[str, str]) -> dict[str, str]:
             continue
         classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
         defined[path] = {c.name for c in classes}
-        bases |= {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")
-                  for c in classes for b in c.bases}
+        bases |= {last_name(b) for c in classes for b in c.bases}
     return {p: m for p, m in paths.items() if not defined[p] & bases}
 
 

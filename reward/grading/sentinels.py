@@ -115,11 +115,18 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
                for p in patterns)
 
 
+def last_name(node: ast.expr) -> str:
+    """The last part of a name: `TestCase` of `unittest.TestCase`, `f` of `f`; "" for
+    anything else (a call, a subscript)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
 def _is_unittest(node: ast.ClassDef) -> bool:
     """A unittest.TestCase class (by its bases' names): collected whatever python_classes
     says, its methods by unittest's own `test` prefix."""
-    return any((b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")).endswith(
-        "TestCase") for b in node.bases)
+    return any(last_name(b).endswith("TestCase") for b in node.bases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +282,7 @@ def _copyable(node: ast.FunctionDef) -> bool:
             return False
         if isinstance(sub, ast.Call):
             func = sub.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            called = last_name(func)
             if called in _SKIP_CALLS:
                 return False
     return True

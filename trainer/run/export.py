@@ -108,7 +108,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model: str | N
                          "run_state.pkl); give a RUN_DIR/checkpoints/step-N folder")
     files = find_model_files(checkpoint, model)
     config = AutoConfig.from_pretrained(files)
-    name = dtype or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    name = dtype or str(config.dtype or "float32").removeprefix("torch.")
     if name not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     weights = load_checkpoint_weights(checkpoint)
@@ -140,7 +140,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, model: str | N
 def _tied_keys(model: PreTrainedModel) -> set[str]:
     """State-dict names that tie_weights() fills from another (e.g. an lm_head tied to the
     embeddings), so a checkpoint may lack them."""
-    if not getattr(model.config, "tie_word_embeddings", False):
+    if not model.config.tie_word_embeddings:
         return set()
     out = model.get_output_embeddings()
     names = {n for n, p in model.named_parameters(remove_duplicate=False) if out is not None

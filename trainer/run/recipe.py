@@ -86,15 +86,18 @@ def _load_override(item: str) -> Any:
 
 def _yaml_error(exc: Exception, path: str | None) -> str:
     """`path:line:column: problem (context at line L)` from a PyYAML error."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    import yaml
+
+    marked = exc if isinstance(exc, yaml.MarkedYAMLError) else None
+    mark = marked.problem_mark if marked else None
+    problem = (marked.problem if marked else None) or str(exc).splitlines()[0]
     where = ""
     if mark is not None:
         where = f"{path}:{mark.line + 1}:{mark.column + 1}: " if path else \
             f"column {mark.column + 1}: "
     elif path:
         where = f"{path}: "
-    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    context, context_mark = (marked.context, marked.context_mark) if marked else (None, None)
     extra = ""
     if context and context_mark is not None and (mark is None or context_mark.line != mark.line):
         extra = f" ({context} at line {context_mark.line + 1})"
@@ -157,7 +160,9 @@ def _type_name(hint: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
-    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+    if hint is type(None):
+        return "null"
+    return hint.__name__ if isinstance(hint, type) else str(hint)
 
 
 def _coerce(key: str, hint: Any, value: Any) -> Any:
