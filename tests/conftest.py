@@ -24,19 +24,21 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-# Files by their last measured duration (s, serial run), longest first; the rest follow
-# in collection order. Only the order of starting depends on this list.
+# Files by their last measured duration (s, 2 workers, warm caches), longest first; the
+# rest follow in collection order. Only the order of starting depends on this list.
 SLOW_FIRST = (
-    "integration/test_stop_and_resume.py",  # 151: three real trainer.main starts
-    "integration/test_async_loop.py",  # 118 (+ its report, formerly a 58 s run of its own)
-    "integration/test_faults.py",  # 89: two whole runs
-    "integration/test_example_my_agent_run.py",  # 63
-    "integration/test_hack_metrics.py",  # 60
-    "integration/test_grading_gold.py",  # 52
-    "integration/test_multinode.py",  # 49
-    "integration/test_rollout_e2e.py",
-    "integration/test_engine_tp.py",  # 34
-    "integration/test_checkpoint_resume.py",  # 33
+    "integration/test_async_loop.py",  # ~300: 20 steps, two evals, faults, its report
+    "integration/test_stop_and_resume.py",  # ~190: two real trainer.main starts
+    "integration/test_rollout_e2e.py",  # ~130
+    "integration/test_grading_redteam_inprocess.py",  # ~125
+    "integration/test_grading_gold.py",  # ~100
+    "integration/test_multinode.py",  # ~95
+    "integration/test_example_my_agent_run.py",  # ~90
+    "integration/test_engine_tp.py",  # ~90
+    "integration/test_sandbox_redteam.py",  # ~85
+    "integration/test_grading_redteam.py",  # ~85
+    "integration/test_judge.py",  # ~65
+    "integration/test_hack_metrics.py",  # ~50
 )
 
 

@@ -5,7 +5,8 @@ multi-node cluster on one machine (the test puts this folder on their PYTHONPATH
   write_file tool, then lets the model answer once (the untrained tiny model calls no
   tools by itself);
 - `WhereGraded`: a RewardFn that records, per trajectory, the Ray node it was scored on,
-  the node of the sandbox pool, and how many workspace bytes it was handed."""
+  the node of the sandbox pool, how many workspace bytes it was handed and how the
+  trajectory ended."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class WhereGraded:
 
         size = ctx.workspace.num_bytes if ctx.workspace is not None else 0
         row = {"group": trajectory.group_id, "index": trajectory.index,
-               "node": ray.get_runtime_context().get_node_id(), "workspace_bytes": size}
+               "node": ray.get_runtime_context().get_node_id(), "workspace_bytes": size,
+               "termination": trajectory.termination.value}
         with open(os.environ[LOG_ENV], "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         return RewardResult(float(size == BIG_FILE_BYTES) * (trajectory.index % 2),

@@ -5,14 +5,12 @@ system temp folder of the test's own for the sandboxes of the runs it starts."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from run_faults import own_temp_folder
 
 from rollout.engine import EngineSpec, VLLMEngine
 
@@ -39,14 +37,8 @@ async def long_engine(tiny_model_path):
 
 
 @pytest.fixture
-def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """TMPDIR for the Ray workers and processes this test starts: sandbox folders, their
-    workspace mounts and snapshots go there, so the test can look at (or wipe) its own
-    and never another test's or run's on this machine. Ray stays in its own folder
-    (RAY_TMPDIR). Searchable by all (0711): sandbox uids pass through it."""
-    folder = tempfile.mkdtemp(prefix="sluice-t-", dir=tempfile.gettempdir())
-    os.chmod(folder, 0o711)
-    monkeypatch.setenv("RAY_TMPDIR", os.environ.get("RAY_TMPDIR", tempfile.gettempdir()))
-    monkeypatch.setenv("TMPDIR", folder)
-    yield Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+def own_tmpdir() -> Iterator[Path]:
+    """A system temp folder of the test's own for the sandboxes of the runs it starts
+    (run_faults.own_temp_folder)."""
+    with own_temp_folder() as folder:
+        yield folder

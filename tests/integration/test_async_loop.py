@@ -1,12 +1,19 @@
 """The whole system on this machine, shortened, started once for every check below (the
-`short_run` fixture): real Ray pools, a real vLLM engine, real sandboxes running the python
-tool, DeepSpeed, the replay buffer and the controller.
+`short_run` fixture): real Ray pools, two real vLLM engines, real sandboxes running the
+python tool, DeepSpeed, the replay buffer and the controller.
 
 - Every batch as it reaches the trainer: mask/logprob/version invariants, staleness <= eta.
 - The run: token continuity of every trajectory (agent.continuity_check), the accounting
   identity (checked by the controller every step), metric keys, transcripts, a resumable
   checkpoint, and that RL raised the held-out reward above the warm-started model's, both
   measured in this run (eval.tasks before the first step and after the last).
+- Faults injected from outside as they happen in production (run_faults), which the run
+  survives with every check above still holding: one of the two engines is SIGKILLed
+  after the first step (its sessions move to the other, the weight push goes on to the
+  live one), and a few sandbox workspaces vanish under running trajectories (the tool
+  call becomes an error observation, the pool recreates the sandbox from its snapshot).
+  A tool call that outlives agent.tool_timeout_s is one trajectory's fault:
+  test_sandbox_tools checks it on the agent-loop worker.
 - Its run report (launch.report): every trained turn on the timeline under its step, every
   push, and every plot rendered in a real browser (tests/integration/browser.py)."""
 
@@ -23,6 +30,7 @@ import pytest
 from browser import check_in_browser, needs_chromium
 from envs.types import NO_VERSION, TerminationReason
 from quickstart_run import quickstart_config
+from run_faults import WorkspaceWiper, kill_one_engine, own_temp_folder
 from trainer.run.config import SluiceConfig
 from trainer.run.controller import RunSummary
 
@@ -38,6 +46,7 @@ EXPECTED_KEYS = {
 
 NUM_STEPS = 20  # about a minute here; the quickstart's held-out reward rises ~0.2 by then
 RL_RECIPE = ("train.group_size=8", "train.groups_per_step=4")  # the quickstart's own groups
+WIPES = 3  # workspaces removed under running trajectories: a fault, not a learning problem
 
 
 @dataclass(slots=True)
@@ -49,6 +58,8 @@ class ShortRun:
     summary: RunSummary
     run_dir: Path
     batches: list[tuple[int, int]]
+    killed_engines: list[int]
+    wiped: int
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +71,16 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> ShortRun:
     cfg = quickstart_config(tmp_path_factory.mktemp("short_run"), "short",
                             f"train.num_steps={NUM_STEPS}", *RL_RECIPE,
                             "agent.continuity_check=true", "checkpoint.every_steps=10",
+                            "rollout.num_engines=2",
                             "eval.tasks=toy_arithmetic_easy_heldout", "eval.num_tasks=64",
                             "eval.samples_per_task=2")
     eta = cfg.buffer.max_staleness
     batches: list[tuple[int, int]] = []
+    killed: list[int] = []
 
     def check_batch(groups, version):
+        if version == 1 and not killed:
+            killed.append(kill_one_engine())
         assert len(groups) == cfg.train.groups_per_step
         for group in groups:
             assert group.size == cfg.train.group_size
@@ -80,8 +95,15 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> ShortRun:
                 assert sum(turn.num_generated for turn in t.turns) == model.sum()
         batches.append((version, len(groups)))
 
-    summary, run_dir = asyncio.run(run(cfg, "short", on_batch=check_batch))
-    return ShortRun(cfg, summary, run_dir, batches)
+    with own_temp_folder() as sandboxes:
+        wiper = WorkspaceWiper(sandboxes, WIPES)
+        wiper.start()
+        try:
+            summary, run_dir = asyncio.run(run(cfg, "short", on_batch=check_batch))
+        finally:
+            wiper.stop.set()
+            wiper.join()
+    return ShortRun(cfg, summary, run_dir, batches, killed, wiper.wiped)
 
 
 def test_short_async_run_keeps_every_invariant_and_raises_reward(short_run: ShortRun):
@@ -103,6 +125,18 @@ def test_short_async_run_keeps_every_invariant_and_raises_reward(short_run: Shor
     before, after = summary.eval_rewards[0], summary.eval_rewards[NUM_STEPS]
     print(f"held-out reward: before RL {before:.3f}, after {NUM_STEPS} steps {after:.3f}")
     assert after > before, f"RL did not raise the held-out reward ({before:.3f} -> {after:.3f})"
+
+
+def test_the_run_survives_a_killed_engine_and_vanishing_sandboxes(short_run: ShortRun):
+    rows = [json.loads(line) for line in (short_run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "reward/mean" in r]
+    assert short_run.killed_engines and short_run.summary.steps == NUM_STEPS
+    assert short_run.wiped > 0
+    assert sum(r.get("env/crashes", 0) for r in train_rows) > 0, "no sandbox crash reached the pool"
+    assert sum(r.get("env/recreates", 0) for r in train_rows) > 0
+    # The killed engine is dropped once: by the push that found it dead, or before it by
+    # the driver's own calls; the engine left serves every later version.
+    assert sum(r["perf/weight_push_failed_engines"] for r in train_rows) <= 1
 
 
 @needs_chromium

@@ -1,8 +1,9 @@
-"""Hardened grading still grades right: on every bundled code task and on SWE-style tasks of
-several layouts (conftest fixtures, src layout on pyproject's pythonpath, unittest classes
-in a `test` package, pytest.toml, tox.ini whose addopts would deselect and stop early, a
-test patch that adds and deletes test files), the gold patch scores 1 and the empty patch
-0, on the local and the container backend, and honest work raises no hacking finding."""
+"""Hardened grading still grades right: on every bundled code task (every third one on
+the container backend) and on SWE-style tasks of several layouts (conftest fixtures, src
+layout on pyproject's pythonpath, unittest classes in a `test` package, pytest.toml,
+tox.ini whose addopts would deselect and stop early, a test patch that adds and deletes
+test files), the gold patch scores 1 and the empty patch 0, on the local and the
+container backend, and honest work raises no hacking finding."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from envs.tasks.code import spec_by_name
 from envs.types import Task
 from reward.workspace import WorkspaceChanges
 
+CONTAINER_STRIDE = 3
+
 
 @pytest.fixture(params=GRADING_BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
@@ -27,6 +30,12 @@ async def test_every_code_task_reference_passes_and_stub_fails(tmp_path: Path,
                                                                 backend: str) -> None:
     tasks = load_tasks("code_functions", cache_dir=str(tmp_path))
     assert len(tasks) >= 30
+    if backend == "container":
+        # What a task's tests and reference do is graded the same on either backend (the
+        # local run covers every task); the container backend differs in how the files
+        # reach the image and back, which a spread of every CONTAINER_STRIDE-th task covers
+        # at a third of the cost.
+        tasks = tasks[::CONTAINER_STRIDE]
     limit = asyncio.Semaphore(3)
 
     async def check(task: Task) -> list[str]:

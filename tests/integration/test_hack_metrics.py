@@ -35,12 +35,13 @@ def test_hacking_attempts_are_counted_in_the_metrics(tmp_path: Path,
         "envs.num_warm_sandboxes=0", "model.max_context_tokens=4096",
         "agent.loop=hack_plugins:ScriptedHackLoop", "reward.fn=reward.grading.hidden_tests:HiddenTests",
         "agent.max_new_tokens_per_turn=8", "agent.max_response_tokens=256",
-        "train.num_steps=2", "train.group_size=4", "train.groups_per_step=2",
+        "train.num_steps=1", "train.group_size=4", "train.groups_per_step=2",
+        "buffer.max_staleness=0",
         "reward.max_concurrency=2", f"logging.output_dir={tmp_path}", "logging.run_name=hacks",
         "logging.wandb_mode=disabled", "logging.console=false",
         "logging.num_transcripts_per_step=64"])
     summary, run_dir = asyncio.run(run(cfg, "hacks"))
-    assert summary.steps == 2
+    assert summary.steps == 1
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # Two groups a step, one trajectory of each kind per group: findings are counts.

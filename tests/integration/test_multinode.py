@@ -72,15 +72,18 @@ def test_workers_and_grading_run_on_sandbox_nodes_and_no_workspace_reaches_the_d
 
     sandbox_ids = {n.node_id for n in sandbox_nodes}
     graded = [json.loads(line) for line in Path(os.environ[LOG_ENV]).read_text().splitlines()]
-    assert len(graded) >= 2 * 2 * 2  # every trajectory of every trained group was graded
+    # A trajectory still running when the run ends can fail as its sandbox pool closes
+    # (its write_file errors) and is scored as an error: only finished ones wrote the file.
+    finished = [g for g in graded if g["termination"] == "finished"]
+    assert len(finished) >= 2 * 2 * 2  # every trajectory of every trained group was graded
     assert {g["node"] for g in graded} <= sandbox_ids  # grading ran on sandbox nodes only
     assert len({g["node"] for g in graded}) == 2  # ... on both of them
-    assert all(g["workspace_bytes"] == BIG_FILE_BYTES for g in graded)  # whole, where it was made
+    assert all(g["workspace_bytes"] == BIG_FILE_BYTES for g in finished)  # whole, where made
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     received = max(r.get("driver/bytes_received", 0) for r in rows)
     groups_received = summary.admitted - summary.running
-    workspace_bytes = len(graded) * BIG_FILE_BYTES
+    workspace_bytes = len(finished) * BIG_FILE_BYTES
     print(f"driver received {received} bytes for {groups_received} groups "
           f"({received / max(groups_received, 1):.0f} per group); the workspaces held "
           f"{workspace_bytes} bytes")

@@ -231,6 +231,32 @@ async def test_sticky_routing_beats_round_robin_on_prefix_cache_hits(cluster, to
     assert sticky > round_robin + 0.05  # 2 engines: round-robin lands on the right one half the time
 
 
+async def test_worker_actor_runs_a_group_from_the_recipe(cluster, tiny_model_path):
+    """The Ray shells wired from the quickstart recipe: a worker actor drives the engine
+    actors (before the next test kills one)."""
+    import ray
+
+    from rollout.worker_actor import AgentWorkerActor
+    from trainer.run.recipe import load_config
+
+    cfg = load_config("quickstart.yaml", ["agent.max_turns=2", "agent.max_new_tokens_per_turn=16"])
+    actor = AgentWorkerActor.remote(cfg, str(tiny_model_path),
+                                    {n: c.handle for n, c in cluster.items()})
+    task = Task("calc", (Message("user", "What is 6*7? Use the calculator."),), tools=("calculator",),
+                answer="42")
+    group = pickle.loads(await actor.run_group.remote(task, "ga", 3))  # scored on the worker
+    assert all(t.reward is not None for t in group.trajectories)
+    assert group.size == 3 and all(t.termination in (TerminationReason.FINISHED,
+                                                      TerminationReason.MAX_TOKENS,
+                                                      TerminationReason.MAX_TURNS)
+                                   for t in group.trajectories)
+    await actor.close_gate.remote()
+    await actor.open_gate.remote()
+    stats = await actor.stats.remote()
+    assert stats.num_finished == 3 and stats.num_running == 0
+    ray.kill(actor)
+
+
 async def test_killing_an_engine_mid_run_loses_no_trajectory(cluster, tokenizer):
     import ray
 
@@ -254,32 +280,3 @@ async def test_killing_an_engine_mid_run_loses_no_trajectory(cluster, tokenizer)
         [(t.termination, t.termination_detail[:200]) for t in trajs]
     stats = router.stats()
     assert stats.failed_engines == ("engine-1",) and stats.num_reroutes >= 1
-
-
-async def test_worker_actor_runs_a_group_from_the_recipe(tiny_model_path):
-    """The Ray shells wired from the quickstart recipe: a worker actor drives a fresh engine
-    actor (the fixture's engines may have been killed by the previous test)."""
-    import ray
-
-    from rollout.engine import EngineSpec
-    from rollout.engine_actor import start_engines
-    from rollout.worker_actor import AgentWorkerActor
-    from trainer.run.recipe import load_config
-
-    cfg = load_config("quickstart.yaml", ["agent.max_turns=2", "agent.max_new_tokens_per_turn=16"])
-    engines = await start_engines(EngineSpec.from_config(cfg, str(tiny_model_path)), 1)
-    actor = AgentWorkerActor.remote(cfg, str(tiny_model_path),
-                                    {n: c.handle for n, c in engines.items()})
-    task = Task("calc", (Message("user", "What is 6*7? Use the calculator."),), tools=("calculator",),
-                answer="42")
-    group = pickle.loads(await actor.run_group.remote(task, "ga", 3))  # scored on the worker
-    assert all(t.reward is not None for t in group.trajectories)
-    assert group.size == 3 and all(t.termination in (TerminationReason.FINISHED,
-                                                      TerminationReason.MAX_TOKENS,
-                                                      TerminationReason.MAX_TURNS)
-                                   for t in group.trajectories)
-    await actor.close_gate.remote()
-    await actor.open_gate.remote()
-    stats = await actor.stats.remote()
-    assert stats.num_finished == 3 and stats.num_running == 0
-    ray.kill(actor)

@@ -178,6 +178,29 @@ class WorkspaceWritten:
         return RewardResult(float(written.get("log.txt") == b"one\ntwo\n"))
 
 
+def scripted_worker(tokenizer, script: list[str], pool: SandboxPool, settings: SandboxToolSettings,
+                    tool_timeout_s: float):
+    """The real AgentLoopWorker (ToolAgentLoop, real tools over `pool`, WorkspaceWritten
+    scored on the worker) driven by a ScriptedEngine playing `script`."""
+    from rollout.agent_loop import LoopSettings
+    from rollout.chat import build_continuity_builder
+    from rollout.recorder import Budgets
+    from rollout.router import Router
+    from reward.loop import RewardLoop
+    from rollout.worker import AgentLoopWorker
+
+    return AgentLoopWorker(
+        default_loop="rollout.agent_loop:ToolAgentLoop",
+        settings=LoopSettings(budgets=Budgets(32768, 30000, 256), max_turns=5,
+                              max_tool_calls_per_turn=2, tool_timeout_s=tool_timeout_s),
+        chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
+        router=Router({"e0": ScriptedEngine(tokenizer, script)}),
+        envs=EnvBuilder(load_tool_classes(), pool, settings),
+        rewards=RewardLoop(f"{__name__}:WorkspaceWritten", tokenizer.decode, timeout_s=30.0,
+                           max_concurrency=4),
+        trajectory_timeout_s=60.0)
+
+
 def call(name: str, **arguments: object) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
 
@@ -186,26 +209,10 @@ async def test_the_worker_gives_each_trajectory_its_own_shared_sandbox(
         recording: Recording, task: Task, tiny_model_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from rollout.agent_loop import LoopSettings
-    from rollout.chat import build_continuity_builder
-    from rollout.recorder import Budgets
-    from rollout.router import Router
-    from reward.loop import RewardLoop
-    from rollout.worker import AgentLoopWorker
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     script = [call("write_file", path="log.txt", content="one\n"),
               call("bash", command="echo two >> log.txt; wc -l < log.txt"), call("submit")]
-    worker = AgentLoopWorker(
-        default_loop="rollout.agent_loop:ToolAgentLoop",
-        settings=LoopSettings(budgets=Budgets(32768, 30000, 256), max_turns=5,
-                              max_tool_calls_per_turn=2, tool_timeout_s=30.0),
-        chat=build_continuity_builder(tokenizer, "tiny"), tokenizer=tokenizer,
-        router=Router({"e0": ScriptedEngine(tokenizer, script)}),
-        envs=EnvBuilder(load_tool_classes(), recording.pool, SETTINGS),
-        rewards=RewardLoop(f"{__name__}:WorkspaceWritten", tokenizer.decode, timeout_s=30.0,
-                           max_concurrency=4),
-        trajectory_timeout_s=60.0)
+    worker = scripted_worker(tokenizer, script, recording.pool, SETTINGS, tool_timeout_s=30.0)
     group = await worker.run_group(task, "g0", 3)
     for trajectory in group.trajectories:
         assert trajectory.termination is TerminationReason.FINISHED, trajectory.termination_detail
@@ -215,3 +222,27 @@ async def test_the_worker_gives_each_trajectory_its_own_shared_sandbox(
         assert "stdout:\n2\n" in text, text
     stats = recording.pool.stats()
     assert (stats.num_acquires, stats.num_in_use) == (3, 0) and len(recording.made) == 3
+
+
+async def test_a_tool_call_that_outlives_its_timeout_becomes_an_observation(
+        recording: Recording, task: Task, tiny_model_path: Path) -> None:
+    """agent.tool_timeout_s cuts a call the sandbox is still running: the model reads a
+    timeout observation, the trajectory goes on to its next turn, the turn counts the
+    timeout (rollout/tool_timeouts of the step's metrics), and the sandbox is released."""
+    from transformers import AutoTokenizer
+
+    from trainer.run.metrics import compute_batch_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    script = [call("python", code="import time\ntime.sleep(30)"), call("submit")]
+    worker = scripted_worker(tokenizer, script, recording.pool,
+                             SandboxToolSettings(limits=SMALL, exec_timeout_s=60.0), tool_timeout_s=0.5)
+    group = await worker.run_group(task, "g0", 2)
+    for trajectory in group.trajectories:
+        assert trajectory.termination is TerminationReason.FINISHED, trajectory.termination_detail
+        text = tokenizer.decode(trajectory.response_ids.tolist())
+        assert "Timeout: python did not finish within 0.5 s." in text, text
+        assert [u.num_tool_timeouts for u in trajectory.turns][:1] == [1]
+    metrics = compute_batch_metrics([group], version=0)
+    assert metrics["rollout/tool_timeouts"] == 2.0 <= metrics["rollout/tool_calls"]
+    assert recording.pool.stats().num_in_use == 0

@@ -1,10 +1,11 @@
 """Stopping and resuming the whole system as a user does it, through `python -m
-trainer.main`: Ctrl-C (SIGINT) and SIGTERM mid-run stop at a step boundary with a
-checkpoint, print the resume command, and leave no Ray process, sandbox mount or sandbox
-folder behind; a SIGKILLed driver's leftovers are reaped by the next start; each resume
-(`checkpoint.resume_from=latest` with the same run name) continues the same metrics file
-without a repeated step, with totals carried across resumes, the staleness bound held
-and no more admissions than a fresh run would make."""
+trainer.main`, in two starts: a SIGKILLed driver's leftovers (Ray processes, sandbox
+mounts and folders) are reaped by the next start, which resumes the run
+(`checkpoint.resume_from=latest` with the same run name) and continues the same metrics
+file without a repeated step, with totals carried across the resume, the staleness bound
+held and no more admissions than a fresh run would make; Ctrl-C (SIGINT; SIGTERM takes
+the same path) mid-run then stops at a step boundary with a checkpoint, prints the resume
+command, and leaves no Ray process, sandbox mount or sandbox folder behind."""
 
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: f
         time.sleep(0.5)
     proc.kill()
     pytest.fail(f"no step {step} within {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (run_dir / "checkpoints" / "latest").is_file():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no checkpoint within {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.5)
 
 
 def sandbox_mounts(root: Path) -> list[str]:
@@ -112,40 +122,40 @@ def snapshot(proc: subprocess.Popen, root: Path) -> tuple[set[int], list[str]]:
     return process_tree(proc.pid), sandbox_mounts(root)
 
 
-def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_path, own_tmpdir):
+def test_a_sigkilled_run_is_reaped_resumed_and_stopped_by_ctrl_c_leaving_nothing(tmp_path, own_tmpdir):
     run_dir = tmp_path / "stoppable"
     assert sandbox_mounts(own_tmpdir) == []
     proc = start(tmp_path, 200)
     wait_for_step(proc, run_dir, 1)
-    pids, mounts = snapshot(proc, own_tmpdir)
-    assert len(pids) > 5 and mounts  # Ray's processes, the engine, sandboxes with mounts
-    os.kill(proc.pid, signal.SIGINT)  # one Ctrl-C is enough (SIGTERM takes the same path)
-    out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0, out[-4000:]
-    assert "resume with:" in out and "checkpoint.resume_from=" in out, out[-2000:]
-    first = metric_rows(run_dir)
-    stopped_at = max(r["step"] for r in first)
-    # The step it stopped at is checkpointed, and the run left nothing behind.
-    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{stopped_at:06d}"
-    assert_nothing_left(pids, mounts)
-
-    proc = start(tmp_path, 200, "checkpoint.resume_from=latest")  # resume 1, then SIGKILL
-    wait_for_step(proc, run_dir, max(r["step"] for r in first) + 1)
-    pids, mounts = snapshot(proc, own_tmpdir)
+    wait_for_checkpoint(proc, run_dir)  # step 1's metrics are written before its checkpoint
+    killed_pids, killed_mounts = snapshot(proc, own_tmpdir)
+    assert len(killed_pids) > 5 and killed_mounts  # Ray's processes, the engine, sandbox mounts
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its Ray processes and mounts stay
     proc.wait(timeout=30)
     killed_at = max(r["step"] for r in metric_rows(run_dir))
 
-    target = killed_at + 1  # resume 2 runs to the end; the start reaps what SIGKILL left
-    proc = start(tmp_path, target, "checkpoint.resume_from=latest")
-    out, _ = proc.communicate(timeout=400)
+    # The resume reaps what SIGKILL left, continues the run, and stops at a step boundary
+    # on one Ctrl-C (SIGTERM takes the same path) with a checkpoint and the resume command.
+    proc = start(tmp_path, 200, "checkpoint.resume_from=latest")
+    wait_for_step(proc, run_dir, killed_at + 1)
+    pids, mounts = snapshot(proc, own_tmpdir)
+    assert mounts
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out[-4000:]
+    assert "resume with:" in out and "checkpoint.resume_from=" in out, out[-2000:]
     rows = [r for r in metric_rows(run_dir) if "reward/mean" in r]
     steps = [r["step"] for r in rows]
-    assert steps == list(range(1, target + 1)), steps  # no step twice, none missing
+    stopped_at = steps[-1]
+    assert stopped_at > killed_at and steps == list(range(1, stopped_at + 1)), steps  # none twice
+    # The step it stopped at is checkpointed; the killed run's leftovers were reaped by the
+    # resume, and the resumed run left nothing behind.
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{stopped_at:06d}"
+    assert_nothing_left(killed_pids | pids, killed_mounts + mounts)
+
     admitted = [r["buffer/admitted"] for r in rows]
     trained = [r["buffer/trained"] for r in rows]
-    assert trained == [B * s for s in steps]  # totals across resumes, not restarting at 0
+    assert trained == [B * s for s in steps]  # totals across the resume, not restarting at 0
     assert all(a2 >= a1 for a1, a2 in zip(admitted, admitted[1:]))
     # Never more than (eta + 1) * B groups alive (running + buffered) at a step boundary,
     # before or after a resume: admitted - trained - dropped is exactly that number.
@@ -153,8 +163,5 @@ def test_ctrl_c_sigkill_and_two_resumes_continue_one_run_and_leave_nothing(tmp_p
         dropped = sum(v for k, v in r.items() if k.startswith("buffer/dropped_"))
         assert r["buffer/admitted"] - r["buffer/trained"] - dropped <= (ETA + 1) * B
     assert all(r["staleness/max"] <= ETA for r in rows)
-    assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{target:06d}"
     assert (run_dir / "config.yaml").is_file()
-    assert_nothing_left(pids, mounts)  # what the SIGKILL left was reaped by the last start
-    out_rows = [r for r in rows if "rollout/tool_parse/ok" in r]
-    assert out_rows  # tool-parse counts reach metrics.jsonl
+    assert [r for r in rows if "rollout/tool_parse/ok" in r]  # tool-parse counts reach metrics.jsonl
