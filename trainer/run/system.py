@@ -174,15 +174,19 @@ class Parts:
     env_metrics: EnvMetrics
     sandbox_pools: list[Any]  # SandboxPoolActor handles: closed before Ray shuts down
 
-    async def close(self, timeout_s: float = 30.0) -> None:
-        """Release every sandbox (unmount, remove its folder) while the pools still run:
-        ray.shutdown() would kill them with their sandboxes still mounted."""
-        try:
-            await asyncio.wait_for(asyncio.gather(*(h.close.remote() for h in self.sandbox_pools),
-                                                  return_exceptions=True), timeout_s)
-        except TimeoutError:
-            log.warning("sandbox pools did not close within %.0f s; the next start reaps them",
-                        timeout_s)
+    async def close(self) -> None:
+        await close_sandbox_pools(self.sandbox_pools)
+
+
+async def close_sandbox_pools(handles: Sequence[Any], timeout_s: float = 30.0) -> None:
+    """Release every sandbox (unmount, remove its folder) while the pools still run:
+    ray.shutdown() would kill them with their sandboxes still mounted."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*(h.close.remote() for h in handles),
+                                              return_exceptions=True), timeout_s)
+    except TimeoutError:
+        log.warning("sandbox pools did not close within %.0f s; the next start reaps them",
+                    timeout_s)
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -215,9 +219,10 @@ def task_images(cfg: SluiceConfig, tasks: Sequence[Task]) -> list[str]:
 
 
 async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] = ()) -> Parts:
-    """Join the cluster, place the pools, start engines (and the judge), the sandbox pools
-    (every task image in `images` made present on each one's node first) with their
-    agent-loop workers, and the train ranks."""
+    """Join the cluster, place the pools, then start the train ranks, the engines (and the
+    judge) and the sandbox pools (every task image in `images` made present on each one's
+    node first) side by side, and last the agent-loop workers that use them. If a part
+    fails to start, the sandboxes already mounted are released and its error raised."""
     from envs.pool_actor import start_sandbox_pools
     from envs.pool_metrics import PoolMetrics
     from rollout.engine import EngineSpec
@@ -231,16 +236,24 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
 
     connect_cluster(cfg)
     placed = build_pools(cfg)
-    engines = await start_engines(EngineSpec.from_config(cfg, model_path),
-                                  cfg.rollout.num_engines, placed["rollout"])
+    # The train ranks load the model and start their optimizer while the engines load and
+    # the sandbox pools warm up (each can take minutes on a cluster; none needs another).
+    group = TrainGroup(cfg, model_path, placed["train"])
     judge_path = str(resolve_model_path(cfg.reward.judge.model_path)) if cfg.reward.judge.enabled else None
-    judge = await start_judge(cfg, judge_path or "", placed.get("judge"))
+    engines, judge, sandboxes = await asyncio.gather(
+        start_engines(EngineSpec.from_config(cfg, model_path), cfg.rollout.num_engines,
+                      placed["rollout"]),
+        start_judge(cfg, judge_path or "", placed.get("judge")),
+        start_sandbox_pools(cfg.envs, placed["sandbox"], images=images), return_exceptions=True)
+    if isinstance(engines, BaseException) or isinstance(judge, BaseException) \
+            or isinstance(sandboxes, BaseException):
+        if not isinstance(sandboxes, BaseException):  # its sandboxes are mounted: release them
+            await close_sandbox_pools(list(sandboxes.handles.values()))
+        raise next(r for r in (engines, judge, sandboxes) if isinstance(r, BaseException))
     judge_handles = engine_handles(judge.engines) if judge else None
-    sandboxes = await start_sandbox_pools(cfg.envs, placed["sandbox"], images=images)
     workers = start_agent_workers(cfg, model_path, engine_handles(engines),
                                   sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
     router = Router(engines)
-    group = TrainGroup(cfg, model_path, placed["train"])
     # cpu (None): rank 0 sends the prepared bytes itself; nccl, gloo: the broadcast transport
     transport = build_transport(cfg, sender=group)
     rollout = RayRollout(workers, router)
