@@ -1,6 +1,12 @@
 """One GRPO training step over packed micro-batches, shared by every backend: proximal
-logprobs once, then `train.num_minibatches` optimizer steps, each accumulating gradients
-over its micro-batches so that the update equals one full-minibatch loss.
+logprobs, then `train.num_minibatches` optimizer steps, each accumulating gradients over
+its micro-batches so that the update equals one full-minibatch loss.
+
+The proximal policy is the weights at the start of the step. The first minibatch trains
+from exactly those weights, so its proximal logprobs are its training forward's own,
+detached: the ratio to the proximal policy is 1 with the policy gradient, as a separate
+no-grad pass would give up to summation order, for one forward less. Only the later
+minibatches need that pass, before the first optimizer step moves the weights.
 
 Exactness across micro-batches: a micro-batch's loss is aggregated over its own tokens
 (or sequences), so it is scaled by its share of the minibatch before backward:
@@ -69,7 +75,7 @@ class StepResult:
     num_micro_batches: int
     tokens_per_s: float  # num_tokens / wall time of the step, proximal pass included
     step_s: float
-    proximal_s: float  # of step_s: packing and the no-grad proximal pass
+    proximal_s: float  # of step_s: packing and the no-grad proximal pass (later minibatches)
     version: int  # policy version after the step
 
 
@@ -144,10 +150,12 @@ def compute_combined_metrics(parts: Sequence[LossMetrics], loss_weights: Sequenc
 
 
 def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
-                             proximal_logprobs_T: torch.Tensor, cfg: LossConfig,
+                             proximal_logprobs_T: torch.Tensor | None, cfg: LossConfig,
                              temperature: float, sum_norm_tokens: int, chunk_tokens: int = 0
                              ) -> tuple[torch.Tensor, LossMetrics]:
     """The decoupled PPO loss of one packed micro-batch, aggregated over its own tokens.
+    `proximal_logprobs_T` None: the model's weights are the proximal policy's (the first
+    minibatch of a step), whose logprobs are this forward's own, detached.
 
     Per-token values are laid out as (sequence, position) rows so that sequence-mean
     aggregations see each trajectory as one row.
@@ -162,6 +170,8 @@ def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
     def rows(values_T: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
         return unpack_to_rows(batch, values_T.to(device), fill)
 
+    if proximal_logprobs_T is None:
+        proximal_logprobs_T = logprobs_T.detach()
     return compute_policy_loss(
         rows(logprobs_T), rows(proximal_logprobs_T), rows(batch.behaviour_logprobs_T),
         rows(batch.advantages_T), rows(batch.loss_mask_T, False), cfg,
@@ -175,7 +185,7 @@ def _check_step_inputs(cfg_loss: LossConfig) -> None:
                          "backends do not host yet; set loss.kl_coef=0")
 
 
-def _train_minibatch(ops: StepOps, batches: list[PackedBatch], proximal: list[torch.Tensor],
+def _train_minibatch(ops: StepOps, batches: list[PackedBatch], proximal: list[torch.Tensor | None],
                      cfg_loss: LossConfig, temperature: float, sum_norm_tokens: int,
                      chunk_tokens: int) -> tuple[LossMetrics, float]:
     padded, num_real = pad_to_common_count(ops, batches)
@@ -201,7 +211,8 @@ def _train_minibatch(ops: StepOps, batches: list[PackedBatch], proximal: list[to
 def run_train_step(ops: StepOps, batch: TrainBatch, cfg_train: TrainConfig,
                    cfg_loss: LossConfig, temperature: float, version_after: int) -> StepResult:
     """Pack `batch` (this rank's shard: one advantage per trajectory, checked by
-    TrainBatch), compute proximal logprobs once, then one optimizer step per minibatch."""
+    TrainBatch), compute the later minibatches' proximal logprobs, then one optimizer step
+    per minibatch."""
     start = time.perf_counter()
     trajectories = batch.trajectories
     advantages_B = torch.as_tensor(batch.advantages, dtype=torch.float32)
@@ -216,7 +227,10 @@ def run_train_step(ops: StepOps, batch: TrainBatch, cfg_train: TrainConfig,
     sum_norm_tokens = int(ops.all_reduce([longest], "max")[0])
 
     flat = [b for mb in minibatches for b in mb]
-    proximal = compute_proximal_logprobs(ops, flat, temperature, cfg_train.logprob_chunk_tokens)
+    proximal: list[torch.Tensor | None] = [None] * len(minibatches[0])
+    if len(minibatches) > 1:  # on every rank alike (each minibatch holds a trajectory)
+        proximal += compute_proximal_logprobs(ops, flat[len(minibatches[0]):], temperature,
+                                              cfg_train.logprob_chunk_tokens)
     proximal_s = time.perf_counter() - start
     results, offset = [], 0
     for mb in minibatches:
