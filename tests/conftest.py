@@ -27,18 +27,19 @@ TESTS = Path(__file__).resolve().parent
 # Files by their last measured duration (s, 2 workers, warm caches), longest first; the
 # rest follow in collection order. Only the order of starting depends on this list.
 SLOW_FIRST = (
-    "integration/test_async_loop.py",  # ~300: 20 steps, two evals, faults, its report
-    "integration/test_stop_and_resume.py",  # ~190: two real trainer.main starts
+    "integration/test_async_loop.py",  # 296: 20 steps, two evals, faults, its report
+    "integration/test_stop_and_resume.py",  # 259: two real trainer.main starts
     "integration/test_rollout_e2e.py",  # ~130
     "integration/test_grading_redteam_inprocess.py",  # ~125
-    "integration/test_grading_gold.py",  # ~100
-    "integration/test_multinode.py",  # ~95
-    "integration/test_example_my_agent_run.py",  # ~90
-    "integration/test_engine_tp.py",  # ~90
+    "integration/test_engine_tp.py",  # 97
+    "integration/test_grading_gold.py",  # ~90
     "integration/test_sandbox_redteam.py",  # ~85
     "integration/test_grading_redteam.py",  # ~85
-    "integration/test_judge.py",  # ~65
-    "integration/test_hack_metrics.py",  # ~50
+    "integration/test_multinode.py",  # 80
+    "integration/test_example_my_agent_run.py",  # 80
+    "integration/test_hack_metrics.py",  # 78
+    "integration/test_judge.py",  # ~60
+    "integration/test_checkpoint_resume.py",  # 41
 )
 
 
