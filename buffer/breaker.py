@@ -43,16 +43,30 @@ def group_failure(group: Group) -> str | None:
     return failure_signature(first.termination_detail or first.termination.value)
 
 
+EVERY_GROUP_FAILS = "every group fails"  # the signature of a trip on failures of any kind
+
+
+def _first_line(message: str) -> str:
+    return (message.strip().splitlines() or [""])[0]
+
+
 @dataclass(frozen=True, slots=True)
 class RepeatedFailure:
-    signature: str
+    signature: str  # grouping only: numbers and quoted names are masked in it
     count: int  # consecutive failed groups when the breaker tripped
-    example: str  # one full message of it
+    example: str  # the first message of the streak, as it was
+    limit: int  # buffer.max_repeated_failures
 
     def message(self) -> str:
-        return (f"stopped: {self.count} groups in a row failed ({self.signature}; the limit is "
-                f"buffer.max_repeated_failures):\n  {self.example.strip()}\nFix the cause (often "
-                "a plug-in import string, a task's tool names or a reward function), then resume.")
+        if self.signature == EVERY_GROUP_FAILS:
+            head = (f"stopped: no group succeeded in the last {self.count} (3 x "
+                    f"buffer.max_repeated_failures={self.limit}); {self.example.strip()}")
+        else:
+            head = (f"stopped: {self.count} groups in a row failed with the same error "
+                    f"(buffer.max_repeated_failures={self.limit}); the first of them:\n"
+                    f"  {self.example.strip()}")
+        return (f"{head}\nFix the cause (often a plug-in import string, a task's tool names, a "
+                "tool or a reward function), then resume.")
 
 
 class FailureBreaker:
@@ -84,10 +98,11 @@ class FailureBreaker:
             self._examples[sig] = message
         if self.tripped is None:
             if self._streak[sig] >= self.threshold:
-                self.tripped = RepeatedFailure(sig, self._streak[sig], self._examples[sig])
+                self.tripped = RepeatedFailure(sig, self._streak[sig], self._examples[sig],
+                                               self.threshold)
             elif self._streak_total >= 3 * self.threshold:
-                top = ", ".join(f"{k} (x{v})" for k, v in self._streak.most_common(3))
-                self.tripped = RepeatedFailure("every group fails", self._streak_total,
-                                               f"no group succeeded in the last "
-                                               f"{self._streak_total}; most frequent: {top}")
+                top = "\n".join(f"  (x{n}) {_first_line(self._examples[k])}"
+                                 for k, n in self._streak.most_common(3))
+                self.tripped = RepeatedFailure(EVERY_GROUP_FAILS, self._streak_total,
+                                               f"the most frequent errors:\n{top}", self.threshold)
         return self.tripped

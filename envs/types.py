@@ -345,6 +345,8 @@ class Turn:
     # What the tool parser made of this turn's output (rollout.tool_parser.ParseStatus):
     # ok, no_call, malformed_call, malformed_arguments, unknown_tool, unclosed_block, too_many.
     tool_parse_status: str = "no_call"
+    tool_names: tuple[str, ...] = ()  # the tool of each call of the turn ("(malformed)": unreadable)
+    failed_tool_names: tuple[str, ...] = ()  # the tool of each call that failed
 
 
 @dataclass(frozen=True, slots=True)

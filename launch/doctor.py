@@ -14,7 +14,8 @@ checks a running Ray cluster against a recipe before a run, and prints what is m
     ports       GPU nodes accept TCP connections from each other on kernel-picked ports
                 (NCCL, DeepSpeed's rendezvous and the weight group's store use such ports)
 
-Exit status 0 when nothing is missing, 1 otherwise, 2 for a recipe error. The checks are
+Exit status 0 when nothing is missing, 1 otherwise, 2 for a recipe error, 3 when no Ray
+cluster answers at the address. The checks are
 plain functions over what the probes report; the probes are small Ray tasks pinned to
 each node (`NodeAffinitySchedulingStrategy`).
 """
@@ -417,9 +418,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
+    from trainer.run.pools import ClusterConnectionError, join_cluster
+
     address = address or (cfg.cluster.address if cfg.cluster.address != "local" else "auto")
     if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False)
+        try:
+            join_cluster(address, log_to_driver=False)
+        except ClusterConnectionError as exc:
+            print(f"sluice doctor: no Ray cluster to check. {exc}\n(`--address ADDR` names "
+                  "another one)", file=sys.stderr)
+            return 3
     nodes = live_nodes()
     print(f"sluice doctor: recipe {recipe or '(defaults)'} against the Ray cluster at {address}: "
           f"{len(nodes)} nodes, {sum(n.offers('GPU') for n in nodes):g} GPUs, "

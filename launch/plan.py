@@ -276,7 +276,7 @@ def resolve_model(cfg: SluiceConfig, pc: PlanProfile, sources: Sources) -> tuple
                                   ("plan.kv_bytes_per_token", kv_bytes)) if v is None]
         raise ValueError(f"{missing[0]}: model.path {cfg.model.path!r} has no config.json "
                          f"({where}) to derive it from; set {' and '.join(missing)} "
-                         "(e.g. plan.model_params_b=8 plan.kv_bytes_per_token=147456 for "
+                         "(e.g. plan.model_params_b=8.2 plan.kv_bytes_per_token=147456 for "
                          "Qwen3-8B in bf16) or point model.path at the model folder")
     shape = read_model_shape(data, where)
     if params_b is None:

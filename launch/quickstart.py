@@ -1,7 +1,9 @@
 """The quickstart's warm start (`model.warm_start: launch.quickstart:toy_warm_start`): a
 short supervised pass (trainer.train.sft) on synthetic demonstrations of the toy arithmetic
-tasks; the result is cached under the cache root. It lives with the quickstart, not in the trainer core: the
-trainer only calls whatever `model.warm_start` names.
+tasks (whatever `envs.tasks` is: a user's own tasks on the tiny model get the same
+warm-started model); the result is cached under the cache root. It lives with the
+quickstart, not in the trainer core: the trainer only calls whatever `model.warm_start`
+names.
 
 Without it the tiny model starts from random weights, never calls a tool and never gets
 a reward, so GRPO has no signal. The demonstrations are generated from another seed than
@@ -49,6 +51,7 @@ NUM_DEMOS = 4096
 FULL_PROMPT_FRACTION = 0.1  # demonstrations that keep the system prompt and tool schemas
 SLOPPY_FRACTION = 0.5  # demonstrations that pass only the first number to the tool
 BUILDERS = {"toy_arithmetic": build_toy_arithmetic, "toy_arithmetic_easy": build_toy_arithmetic_easy}
+DEFAULT_DEMOS = "toy_arithmetic_easy"  # the demonstrations for any other envs.tasks
 
 
 def toy_demonstration(task: Task, max_observation_tokens: int, count_tokens=None,
@@ -111,14 +114,17 @@ def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
 
 def toy_warm_start(base_path: Path, cfg: "SluiceConfig") -> Path:
     """The `model.warm_start` plug-in: `model.warm_start_steps` supervised steps on
-    demonstrations of `envs.tasks` (a toy_arithmetic set)."""
+    demonstrations of `envs.tasks` when it is a toy_arithmetic set, else of
+    DEFAULT_DEMOS: a user's own tasks on the tiny model start from a model that knows the
+    tool-call format and ends with 'Answer: <value>' (the same cached folder as the
+    quickstart's), and RL goes on from there on their tasks and tools."""
     from envs.cache import default_cache_dir
 
-    if cfg.envs.tasks not in BUILDERS:
-        raise ValueError(f"model.warm_start=launch.quickstart:toy_warm_start needs a "
-                         f"toy_arithmetic task set ({', '.join(BUILDERS)}), not "
-                         f"envs.tasks={cfg.envs.tasks!r}; set model.warm_start=null or write "
-                         "your own warm start")
-    return warm_start_model(base_path, cfg.envs.tasks, steps=cfg.model.warm_start_steps,
+    task_set = cfg.envs.tasks if cfg.envs.tasks in BUILDERS else DEFAULT_DEMOS
+    if task_set != cfg.envs.tasks:
+        log.info("warm start: envs.tasks=%r is not a toy_arithmetic set, so the demonstrations "
+                 "are %s's (they teach the tool-call format and 'Answer: <value>'); RL then "
+                 "trains on your tasks", cfg.envs.tasks, DEFAULT_DEMOS)
+    return warm_start_model(base_path, task_set, steps=cfg.model.warm_start_steps,
                             max_observation_tokens=cfg.envs.max_observation_tokens,
                             cache_root=default_cache_dir() / "models")

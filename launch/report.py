@@ -1,14 +1,17 @@
 """The run report: `python -m launch.report RUN_DIR [--out report.html] [--trace SIMTRACE]`.
 
 One self-contained HTML page (plotly's JS inline, no network) that a person reads instead
-of scrolling metrics: a header table of the run, the trajectory timeline (lanes by engine,
-queue / generate / tool bars coloured by policy version, weight pushes marked, the
-slowest trajectories of each step outlined and listed), environment time, and the
-over-steps plots (reward and held-out eval, idle ratios, staleness and drop bias,
-prefix-cache hit rate, tokens per second, step time, end reasons). A simulator trace
-(`launch.simulate --trace`, the same event schema as events.jsonl) renders as a second
-part of the page, or alone. `log_report_to_wandb` logs the same figures and tables to a
-wandb run. Inputs are read by `launch.report_data`; figures are `launch.report_figures`.
+of scrolling metrics: a header table of the run (with a link to its transcripts), tables
+of the reward's components (first and last steps) and of tool calls and errors per tool,
+the trajectory timeline (lanes by engine, queue / generate / tool bars coloured by policy
+version, weight pushes marked, the slowest trajectories of each step outlined and listed),
+environment time, and the over-steps plots (reward and held-out eval, reward components,
+idle ratios, staleness and drop bias, prefix-cache hit rate, tokens per second, step
+time, end reasons). A simulator trace (`launch.simulate --trace`, the same event schema
+as events.jsonl) renders as a second part of the page, or alone. `log_report_to_wandb`
+logs the same figures, the header and the trajectory tables to a wandb run (wandb charts
+the reward/* and rollout/* keys behind the other tables itself). Inputs are read by
+`launch.report_data`; figures are `launch.report_figures`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import os
 import re
 import sys
 import time
@@ -24,9 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
-from launch.report_data import (EVENTS_FILE, METRICS_FILE, RunData, event_series, load_run,
-                                load_trace, metric_series, trajectories_by_step)
+from launch.report_data import (EVENTS_FILE, METRICS_FILE, TRANSCRIPTS_FILE, RunData,
+                                compute_tool_counts, count_lines, event_series,
+                                is_reward_component, load_run, load_trace, metric_series,
+                                trajectories_by_step)
 from launch.report_figures import (Panel, build_exec_histogram, build_step_panels, build_timeline,
                                    build_tool_time_by_task, build_tool_time_by_tool,
                                    build_turn_time_histogram, slowest_spans)
@@ -42,6 +49,7 @@ TURN_COLUMNS = ("step", "traj", "task", "turn", "engine", "version", "t0", "queu
                 "tool_s", "tool_calls", "tool_errors", "tokens", "end")
 
 
+HEAD_TAIL_STEPS = 5  # noisy per step: summaries average the first and last 5, as trainer.main prints
 MAX_TIMELINE_TURNS = 6000  # three SVG bars a turn: pages stay responsive up to ~20k bars
 SLOWEST_PER_STEP = 3
 
@@ -53,14 +61,42 @@ class ReportOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class Link:
+    """A table cell that links to a file: `text` is the link, `after` plain text behind it."""
+
+    text: str
+    href: str  # already URL-quoted
+    after: str = ""
+
+    def __str__(self) -> str:
+        return self.text + self.after
+
+
+Cell = str | Link
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """A table of a part, shown under its header: key is its HTML anchor."""
+
+    key: str
+    title: str
+    head: tuple[str, ...]
+    rows: list[list[str]]
+    caption: str
+
+
+@dataclass(frozen=True, slots=True)
 class Part:
-    """One input's share of the page: its header rows, problems, panels and slowest table."""
+    """One input's share of the page: its header rows, problems, tables, panels and
+    slowest table."""
 
     title: str
-    header: list[tuple[str, str]]
+    header: list[tuple[str, Cell]]
     problems: list[str]
     panels: list[Panel]
     slowest: list[list[str]]
+    tables: list[Table]
 
 
 # --- header ---------------------------------------------------------------------------------
@@ -145,14 +181,38 @@ def _end_reasons(run: RunData) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in totals.most_common()) or "?"
 
 
+StepValues = Sequence[tuple[int, float]]  # (step, value), by step
+
+
+def head_tail(values: StepValues) -> tuple[StepValues, StepValues]:
+    """The first and the last steps a summary averages: HEAD_TAIL_STEPS each from twice
+    that many values on, else the first and the last value alone."""
+    if len(values) >= 2 * HEAD_TAIL_STEPS:
+        return values[:HEAD_TAIL_STEPS], values[-HEAD_TAIL_STEPS:]
+    return values[:1], values[-1:]
+
+
+def _mean(values: StepValues) -> float:
+    return sum(v for _, v in values) / len(values)
+
+
+def _steps_label(values: StepValues) -> str:
+    first, last = values[0][0], values[-1][0]
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _step_values(run: RunData, key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), r[key]) for r in run.metrics if key in r]
+
+
 def _series_summary(run: RunData, key: str) -> str:
-    values = [(int(r["step"]), r[key]) for r in run.metrics if key in r]
+    values = _step_values(run, key)
     if not values:
         return f"not recorded (no {key})"
-    if len(values) >= 10:  # noisy per step: means of the first and last 5, as trainer.main prints
-        head, tail = [v for _, v in values[:5]], [v for _, v in values[-5:]]
-        return (f"{sum(head) / 5:.3f} (mean of steps {values[0][0]}-{values[4][0]}) -> "
-                f"{sum(tail) / 5:.3f} (steps {values[-5][0]}-{values[-1][0]})")
+    head, tail = head_tail(values)
+    if len(head) > 1:
+        return (f"{_mean(head):.3f} (mean of {_steps_label(head)}) -> "
+                f"{_mean(tail):.3f} ({_steps_label(tail)})")
     (s0, v0), (s1, v1) = values[0], values[-1]
     return f"{v0:.3f} at step {s0} -> {v1:.3f} at step {s1}" if len(values) > 1 else f"{v0:.3f}"
 
@@ -196,6 +256,21 @@ def build_header(run: RunData) -> list[tuple[str, str]]:
     return rows
 
 
+def transcripts_row(run: RunData, out_dir: Path) -> tuple[str, Cell] | None:
+    """The run's transcripts.jsonl as a link from the report's folder (relative, so the
+    link survives moving the run folder with its report), with its count of lines."""
+    path = run.source / TRANSCRIPTS_FILE
+    if not path.is_file():
+        return None
+    lines = count_lines(path)
+    after = f" ({lines} transcript{'s' if lines != 1 else ''}, one JSON object a line)"
+    try:
+        relative = Path(os.path.relpath(path.resolve(), Path(out_dir).resolve()))
+    except ValueError:  # no relative path between them (another drive on Windows)
+        return ("transcripts", Link(str(path.resolve()), path.resolve().as_uri(), after))
+    return ("transcripts", Link(relative.as_posix(), quote(relative.as_posix()), after))
+
+
 def build_trace_header(trace: RunData) -> list[tuple[str, str]]:
     ev = trace.events
     times = [u.t0 for u in ev.turns] + [s.t1 for s in ev.steps]
@@ -216,9 +291,48 @@ def slowest_rows(run: RunData, k: int) -> list[list[str]]:
              str(s.tokens), s.end or "?"] for s in spans]
 
 
-def build_part(run: RunData, options: ReportOptions, *, trace: bool = False) -> Part:
+REWARD_COLUMNS = ("component", "start (mean)", "end (mean)", "change", "steps logged")
+TOOL_COLUMNS = ("tool", "calls", "errors", "error rate")
+
+
+def reward_component_table(run: RunData) -> Table | None:
+    """Each component of the reward (reward/<name>, not the trainer's own reward/* keys):
+    its mean over the first and over the last steps, as the header's reward row."""
+    rows = []
+    for key in sorted({k for r in run.metrics for k in r if is_reward_component(k)}):
+        values = _step_values(run, key)
+        head, tail = head_tail(values)
+        rows.append([key.removeprefix("reward/"), f"{_mean(head):.3f} ({_steps_label(head)})",
+                     f"{_mean(tail):.3f} ({_steps_label(tail)})",
+                     f"{_mean(tail) - _mean(head):+.3f}", str(len(values))])
+    if not rows:
+        return None
+    return Table("reward_components_table", "Reward components", REWARD_COLUMNS, rows,
+                 f"The components the reward function returned, logged as reward/<name> (mean "
+                 f"per step): the mean over the first and the last {HEAD_TAIL_STEPS} steps that "
+                 f"logged one (the first and last step when fewer than {2 * HEAD_TAIL_STEPS}).")
+
+
+def tool_table(run: RunData) -> Table | None:
+    """Calls and errors per tool over the run, most errors first; None for runs that
+    predate the per-tool counts."""
+    counts = compute_tool_counts(run.metrics)
+    if not counts:
+        return None
+    rows = [[c.tool, f"{c.calls:.0f}", f"{c.errors:.0f}",
+             "-" if c.error_rate is None else f"{c.error_rate:.1%}"] for c in counts]
+    return Table("tool_errors", "Tool calls and errors per tool", TOOL_COLUMNS, rows,
+                 "Sums over the steps of rollout/tool_calls/<tool> and rollout/tool_errors/<tool> "
+                 "(exceptions, timeouts, is_error results, bad arguments); an unknown tool name "
+                 "is its own row, and (malformed) holds the calls that could not be read.")
+
+
+def build_part(run: RunData, options: ReportOptions, *, trace: bool = False,
+               out_dir: Path | None = None) -> Part:
     """Header, panels and tables of one input. Metrics win over what the events imply;
-    a trace (no metrics) gets its over-steps plots from its events alone."""
+    a trace (no metrics) gets its over-steps plots from its events alone. Links to the
+    run's files are relative to `out_dir`, the report's folder (default: the run folder,
+    where the report goes by default)."""
     series = metric_series(run.metrics)
     for key, value in event_series(run.events).items():
         series.setdefault(key, value)
@@ -234,9 +348,14 @@ def build_part(run: RunData, options: ReportOptions, *, trace: bool = False) -> 
     kept = [p for p in panels if p is not None]
     if trace:
         kept = [Panel(f"trace_{p.key}", p.title, p.figure, p.caption) for p in kept]
-    return Part(f"Simulator trace: {run.name}" if trace else f"Run: {run.name}",
-                build_trace_header(run) if trace else build_header(run), list(run.problems),
-                kept, slowest_rows(run, options.slowest_per_step))
+        return Part(f"Simulator trace: {run.name}", list(build_trace_header(run)), list(run.problems),
+                    kept, slowest_rows(run, options.slowest_per_step), [])
+    header: list[tuple[str, Cell]] = list(build_header(run))
+    if (row := transcripts_row(run, run.source if out_dir is None else out_dir)) is not None:
+        header.append(row)
+    tables = [t for t in (reward_component_table(run), tool_table(run)) if t is not None]
+    return Part(f"Run: {run.name}", header, list(run.problems), kept,
+                slowest_rows(run, options.slowest_per_step), tables)
 
 
 CSS = """body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;color:#222}
@@ -249,14 +368,20 @@ SLOWEST_COLUMNS = ["step", "trajectory", "task", "engine", "turns", "seconds", "
                    "tool s", "queue s", "tokens", "ended"]
 
 
-def _table(rows: Sequence[Sequence[str]], head: Sequence[str] | None = None) -> str:
-    esc = html.escape
+def _cell(cell: Cell) -> str:
+    if isinstance(cell, Link):
+        return (f'<a href="{html.escape(cell.href)}">{html.escape(cell.text)}</a>'
+                f"{html.escape(cell.after)}")
+    return html.escape(cell)
+
+
+def _table(rows: Sequence[Sequence[Cell]], head: Sequence[str] | None = None) -> str:
     out = ["<table>"]
     if head:
-        out.append("<tr>" + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr>")
+        out.append("<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>")
     for row in rows:
-        cells = [f"<th>{esc(row[0])}</th>" if head is None else f"<td>{esc(row[0])}</td>"]
-        out.append("<tr>" + "".join(cells + [f"<td>{esc(c)}</td>" for c in row[1:]]) + "</tr>")
+        cells = [f"<th>{_cell(row[0])}</th>" if head is None else f"<td>{_cell(row[0])}</td>"]
+        out.append("<tr>" + "".join(cells + [f"<td>{_cell(c)}</td>" for c in row[1:]]) + "</tr>")
     return "\n".join(out + ["</table>"])
 
 
@@ -267,6 +392,9 @@ def _part_html(part: Part) -> str:
         items = "".join(f"<li>{esc(p)}</li>" for p in part.problems)
         out.append(f'<div class="problems"><b>Input problems (the report shows what was '
                    f"readable):</b><ul>{items}</ul></div>")
+    for table in part.tables:
+        out.append(f'<h3 id="{table.key}">{esc(table.title)}</h3>{_table(table.rows, table.head)}'
+                   f'<p class="caption">{esc(table.caption)}</p>')
     if not part.panels:
         out.append("<p>No plot: the input holds no metric or event the report draws.</p>")
     for panel in part.panels:
@@ -289,7 +417,8 @@ def render_html(parts: Sequence[Part], title: str) -> str:
     from plotly.offline import get_plotlyjs
 
     nav = "<br>".join(f"<b>{html.escape(part.title)}:</b> " + " ".join(
-        f'<a href="#{p.key}">{html.escape(p.title)}</a>' for p in part.panels) for part in parts)
+        f'<a href="#{p.key}">{html.escape(p.title)}</a>' for p in [*part.tables, *part.panels])
+        for part in parts)
     body = "\n".join(_part_html(p) for p in parts)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>'
             f"{html.escape(title)}</title><style>{CSS}</style>\n"
@@ -304,7 +433,7 @@ def build_report(run_dir: Path | None, out: Path, trace: Path | None = None,
     when an input is not a run folder or a trace."""
     parts = []
     if run_dir is not None:
-        parts.append(build_part(load_run(run_dir), options))
+        parts.append(build_part(load_run(run_dir), options, out_dir=out.parent))
     if trace is not None:
         parts.append(build_part(load_trace(trace), options, trace=True))
     if not parts:
@@ -344,7 +473,7 @@ def log_report_to_wandb(run_dir: Path, wandb_run: Run, trace: Path | None = None
     for data, prefix in inputs:
         part = build_part(data, options, trace=prefix != "report/")
         logged[prefix + "header"] = wandb.Table(columns=["field", "value"],
-                                                data=[list(r) for r in part.header])
+                                                data=[[f, str(v)] for f, v in part.header])
         if part.slowest:
             logged[prefix + "slowest_trajectories"] = wandb.Table(columns=list(SLOWEST_COLUMNS),
                                                                   data=[list(r) for r in part.slowest])

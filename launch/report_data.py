@@ -32,6 +32,7 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 CONFIG_FILE = "config.yaml"
+TRANSCRIPTS_FILE = "transcripts.jsonl"
 MAX_PROBLEMS_PER_FILE = 5  # the first few bad rows are named, the rest counted
 
 
@@ -307,7 +308,7 @@ def load_run(run_dir: Path) -> RunData:
     config_path = run_dir / CONFIG_FILE
     config = read_config(config_path, problems) if config_path.is_file() else {}
     sizes = {p.name: p.stat().st_size for p in (metrics_path, events_path, config_path,
-                                                run_dir / "transcripts.jsonl") if p.is_file()}
+                                                run_dir / TRANSCRIPTS_FILE) if p.is_file()}
     return RunData(run_dir.name, run_dir, config, metrics, events, problems, sizes)
 
 
@@ -341,6 +342,56 @@ def metric_series(rows: Sequence[Mapping[str, float]]) -> Series:
                 steps.append(step)
                 values.append(value)
     return out
+
+
+# reward/* keys the trainer logs of its own (docs/metrics.md, "reward"): the mean and the
+# counts (findings, grading paths, failures; trainer.run.metrics sums those components).
+# Every other reward/<name> is a score the run's reward function returned.
+BUILTIN_REWARD_KEYS = frozenset({"reward/mean", "reward/std", "reward/errors_total",
+                                 "reward/reward_error", "reward/timeout"})
+BUILTIN_REWARD_PREFIXES = ("reward/hack_", "reward/graded_")
+TOOL_CALLS_PREFIX, TOOL_ERRORS_PREFIX = "rollout/tool_calls/", "rollout/tool_errors/"
+
+
+def is_reward_component(key: str) -> bool:
+    """Whether a metric key is a component of the user's reward (`reward/correct`)."""
+    return (key.startswith("reward/") and key not in BUILTIN_REWARD_KEYS
+            and not key.startswith(BUILTIN_REWARD_PREFIXES))
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCounts:
+    """One tool's calls and errors, summed over the steps of a run."""
+
+    tool: str  # as the model named it; `(malformed)` for calls that could not be read
+    calls: float
+    errors: float
+
+    @property
+    def error_rate(self) -> float | None:
+        return self.errors / self.calls if self.calls > 0 else None
+
+
+def compute_tool_counts(rows: Sequence[Mapping[str, float]]) -> list[ToolCounts]:
+    """Per tool, the sums of `rollout/tool_calls/<tool>` and `rollout/tool_errors/<tool>`
+    (per-step counts), most errors first; empty for runs that log neither."""
+    calls: dict[str, float] = defaultdict(float)
+    errors: dict[str, float] = defaultdict(float)
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith(TOOL_CALLS_PREFIX):
+                calls[key.removeprefix(TOOL_CALLS_PREFIX)] += value
+            elif key.startswith(TOOL_ERRORS_PREFIX):
+                errors[key.removeprefix(TOOL_ERRORS_PREFIX)] += value
+    counts = [ToolCounts(t, calls.get(t, 0.0), errors.get(t, 0.0)) for t in set(calls) | set(errors)]
+    return sorted(counts, key=lambda c: (-c.errors, -c.calls, c.tool))
+
+
+def count_lines(path: Path) -> int:
+    """Non-blank lines of a file (transcripts: one JSON object a line), read in binary so
+    a torn or non-UTF-8 line still counts."""
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def event_series(events: Events) -> Series:

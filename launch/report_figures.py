@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from buffer.replay_buffer import LENGTH_EDGES, length_bucket
-from launch.report_data import Events, Series, TrajectorySpan, TurnEvent, trajectories_by_step
+from launch.report_data import (Events, Series, TrajectorySpan, TurnEvent, is_reward_component,
+                                trajectories_by_step)
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -555,6 +556,11 @@ def build_step_panels(series: Series, events: Events) -> list[Panel]:
         build_lines(s, "reward", "Reward and held-out eval", ["reward/mean", "eval/reward_mean"],
                     "Training reward of each step's groups; held-out reward (eval/*) where "
                     "evaluated (before any step is step 0).", y_title="reward"),
+        build_lines(s, "reward_components", "Reward components by step",
+                    sorted(k for k in s if is_reward_component(k)),
+                    "Mean per step of each component the reward function returned "
+                    "(reward/<name>); the table 'Reward components' gives each one's first "
+                    "and last steps.", y_title="mean per step"),
         build_lines(s, "idle", "Idle ratios", ["perf/rollout_idle_ratio", "perf/trainer_idle_ratio"],
                     "Share of each step's wall time the engines (sampled) and the trainer "
                     "(waiting for groups) were idle.", y_title="idle share", y_range=(0, 1.02)),

@@ -81,11 +81,13 @@ class RewardLoop:
             result = await self.compute(trajectory, task, workspace)
         except Exception as exc:  # the per-trajectory boundary of scoring
             self.num_errors += 1
-            log.warning("reward of %s/%s failed: %s: %s", trajectory.group_id, trajectory.index,
-                        type(exc).__name__, exc)
+            if self.num_errors & (self.num_errors - 1) == 0:  # 1, 2, 4, ...: not a line each
+                log.warning("reward of %s/%s failed (%d so far on this worker): %s: %s",
+                            trajectory.group_id, trajectory.index, self.num_errors,
+                            type(exc).__name__, exc)
             detail = f"reward {self.fn_name(task)} raised {type(exc).__name__}: {exc}"
-            if trajectory.termination_detail:
-                detail = f"{trajectory.termination_detail}\n{detail}"
+            if trajectory.termination_detail:  # the error first: its first line names a failure
+                detail = f"{detail}\n(the trajectory had ended: {trajectory.termination_detail})"
             return dataclasses.replace(trajectory, reward=0.0, reward_components={"reward_error": 1.0},
                                        termination=TerminationReason.ERROR,
                                        termination_detail=detail)

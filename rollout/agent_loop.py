@@ -11,11 +11,10 @@ their own loops and name them by import string `package.module:Class` in a recip
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -24,6 +23,7 @@ from envs.trajectory_env import TrajectoryEnv
 from rollout.chat import ContinuityBuilder, check_continuity
 from rollout.engine import Sampling, TokenOutput
 from rollout.gate import LocalTurns, TurnGate
+from rollout.loop_watch import ToolActivity, ToolBlockedLoop
 from rollout.recorder import BudgetExhausted, Budgets, TrajectoryRecorder
 from rollout.router import Router
 from rollout.parsers import parse_generation
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from rollout.config import RolloutRecipe
 
 log = logging.getLogger(__name__)
+
+MALFORMED_CALL = "(malformed)"  # the tool name metrics give a call that could not be read
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,8 @@ class ToolOutcome:
     num_timeouts: int
     ends_trajectory: bool
     seconds: float
+    tools: tuple[str, ...] = ()  # the tool each call named, in order ("(malformed)": unreadable)
+    failed_tools: tuple[str, ...] = ()  # the tools of the calls that failed, one per failure
 
 
 @dataclass(slots=True)
@@ -181,11 +185,15 @@ class AgentContext:
         results = await asyncio.gather(*(self._run_one(c) for c in parsed.calls))
         messages = [m for m, _, _ in results]
         messages += [Message("tool", e.message, name="error") for e in parsed.errors]
+        malformed = (MALFORMED_CALL,) * len(parsed.errors)
         return ToolOutcome(
             messages=tuple(messages), num_calls=len(parsed.calls) + len(parsed.errors),
             num_errors=sum(1 for _, err, _ in results if err) + len(parsed.errors),
             num_timeouts=sum(1 for m, _, _ in results if m.content.startswith("Timeout:")),
-            ends_trajectory=any(ends for _, _, ends in results), seconds=time.monotonic() - start)
+            ends_trajectory=any(ends for _, _, ends in results), seconds=time.monotonic() - start,
+            tools=(*(c.name for c in parsed.calls), *malformed),
+            failed_tools=(*(c.name for c, (_, err, _) in zip(parsed.calls, results) if err),
+                          *malformed))
 
     async def _run_one(self, call: ToolCall) -> tuple[Message, bool, bool]:
         tool = self.tools.get(call.name)
@@ -198,48 +206,31 @@ class AgentContext:
             return Message("tool", f"Error: {problem}", name=call.name), True, False
         timeout_s = self.settings.tool_timeout_s
         try:
-            with self.activity.running(call.name):
-                result = await asyncio.wait_for(_execute(tool, call.arguments), timeout_s)
+            result = await asyncio.wait_for(execute_tool(tool, call.name, call.arguments,
+                                                         self.activity), timeout_s)
         except TimeoutError:
             return Message("tool", f"Timeout: {call.name} did not finish within {timeout_s:g} s.",
                            name=call.name), True, False
+        except ToolBlockedLoop:
+            return Message("tool", f"Timeout: {call.name} did not finish within {timeout_s:g} s "
+                           "(it blocked the worker's event loop).", name=call.name), True, False
         except Exception as exc:  # a failing tool is an observation, never a crashed worker
             return Message("tool", f"Error: {call.name} failed: {type(exc).__name__}: {exc}",
                            name=call.name), True, False
         return Message("tool", result.text, name=call.name), result.is_error, result.ends_trajectory
 
 
-async def _execute(tool: Tool, arguments: Mapping[str, Any]) -> Any:
-    """A tool that declares `blocking = True` runs on a thread with its own event loop, so
-    its blocking work neither stalls the worker's other trajectories nor escapes the
-    tool timeout; any other tool runs on the worker's loop (see envs.tools.base)."""
-    if getattr(tool, "blocking", False):
+async def execute_tool(tool: Tool, name: str, arguments: Mapping[str, Any],
+                       activity: ToolActivity) -> Any:
+    """A tool that declares `blocking = True`, or was found blocking the loop (the worker's
+    watchdog, rollout.loop_watch), runs on a thread with its own event loop, so its blocking
+    work neither stalls the worker's other trajectories nor escapes the tool timeout; any
+    other tool runs on the worker's loop (see envs.tools.base). The watchdog recognises a
+    tool running on the loop by this function's frame."""
+    if getattr(tool, "blocking", False) or name in activity.blocking:
         return await asyncio.to_thread(asyncio.run, tool.execute(arguments))
-    return await tool.execute(arguments)
-
-
-class ToolActivity:
-    """Which tools executed on a worker's event loop when, so a stall of the loop (a tool
-    doing blocking work in `execute`) can be blamed on them."""
-
-    def __init__(self) -> None:
-        self.executing: dict[str, int] = {}
-        self.finished_at: dict[str, float] = {}  # tool -> monotonic time its last call ended
-
-    @contextlib.contextmanager
-    def running(self, name: str) -> Generator[None, None, None]:
-        self.executing[name] = self.executing.get(name, 0) + 1
-        try:
-            yield
-        finally:
-            self.executing[name] -= 1
-            if not self.executing[name]:
-                del self.executing[name]
-            self.finished_at[name] = time.monotonic()
-
-    def active_since(self, start: float) -> list[str]:
-        """Tools executing now or whose last call ended after `start`."""
-        return sorted(set(self.executing) | {n for n, t in self.finished_at.items() if t >= start})
+    with activity.executing(name):
+        return await tool.execute(arguments)
 
 
 @runtime_checkable
@@ -314,7 +305,8 @@ class ToolAgentLoop:
             if (stop := rec.fits_observation(len(obs))) is not None:
                 return rec.finish(stop, "the tool observation does not fit")
             rec.add_observation(obs, outcome.num_calls, outcome.num_errors, outcome.seconds,
-                                outcome.num_timeouts)
+                                outcome.num_timeouts, tools=outcome.tools,
+                                failed_tools=outcome.failed_tools)
             transcript.extend(outcome.messages)
             if outcome.ends_trajectory:
                 return rec.finish(TerminationReason.FINISHED)

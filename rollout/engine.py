@@ -162,6 +162,11 @@ class VLLMEngine:
         if s.tp_size == 1:
             # The engine core runs in this process: starts in seconds instead of ~20 s.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM's INFO lines (~20 per engine start: config dumps, load times) reach the
+        # driver's console through Ray; its warnings stay. VLLM_LOGGING_LEVEL=INFO brings
+        # them back (the engine core process reads it; this process has imported vLLM).
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 

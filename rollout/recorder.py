@@ -130,8 +130,10 @@ class TrajectoryRecorder:
         return None
 
     def add_observation(self, ids: list[int] | np.ndarray, num_tool_calls: int,
-                        num_tool_errors: int, tool_s: float, num_tool_timeouts: int = 0) -> None:
-        """Tool results and template glue after the last generation (mask 0)."""
+                        num_tool_errors: int, tool_s: float, num_tool_timeouts: int = 0, *,
+                        tools: Sequence[str] = (), failed_tools: Sequence[str] = ()) -> None:
+        """Tool results and template glue after the last generation (mask 0); `tools` and
+        `failed_tools` name the tool of each call and of each failed one (metrics per tool)."""
         if not self.turns:
             raise RuntimeError("an observation must follow a generation")
         arr = np.asarray(ids, dtype=np.int32)
@@ -140,7 +142,8 @@ class TrajectoryRecorder:
         last = self.turns[-1]
         self.turns[-1] = replace(
             last, num_observation=len(arr), num_tool_calls=num_tool_calls,
-            num_tool_errors=num_tool_errors, tool_s=tool_s, num_tool_timeouts=num_tool_timeouts)
+            num_tool_errors=num_tool_errors, tool_s=tool_s, num_tool_timeouts=num_tool_timeouts,
+            tool_names=tuple(tools), failed_tool_names=tuple(failed_tools))
 
     def finish(self, reason: TerminationReason, detail: str = "") -> Trajectory:
         """Freeze what was recorded into a Trajectory ending with `reason`."""

@@ -10,6 +10,7 @@ through the broadcast group, where only the bucket plan travels through the rpc.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -63,6 +64,25 @@ class BucketReceiver:
         return left
 
 
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" of every in-place reload.
+    A rotary layer holds only its cos/sin cache, computed from the model config; no
+    checkpoint and no push carries it, so the reload finds nothing for it and vLLM puts
+    the cache it had back (the warning's own fallback). Any other layer's warning stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        return not (record.msg == "%s: Failed to load weights" and isinstance(layer, str)
+                    and layer.endswith("RotaryEmbedding"))
+
+
+def quiet_rotary_reload_warning() -> None:
+    """Install _RotaryReloadFilter on vLLM's reload logger (once per process)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in logger.filters):
+        logger.addFilter(_RotaryReloadFilter())
+
+
 class WeightReloadExtension:
     """Methods mixed into vLLM's worker; `self.model_runner` is the worker's runner,
     `self.rank` its rank inside the engine and `self.device` its device."""
@@ -73,10 +93,14 @@ class WeightReloadExtension:
         if (blob is None) == (path is None):
             raise ValueError("pass exactly one of blob (safetensors bytes) or path (a folder)")
         if blob is None:
-            self.model_runner.reload_weights(weights_path=path)  # type: ignore[attr-defined]
+            self._sluice_reload(weights_path=path)
             return
         state = decode_state(blob)
-        self.model_runner.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+        self._sluice_reload(weights_iterator=iter(state.items()))
+
+    def _sluice_reload(self, **source: Any) -> None:
+        quiet_rotary_reload_warning()
+        self.model_runner.reload_weights(**source)  # type: ignore[attr-defined]
 
     def sluice_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                  backend: CommBackend, timeout_s: float) -> int:
@@ -106,7 +130,7 @@ class WeightReloadExtension:
                                   Deadline(self._sluice_timeout_s))
         try:
             try:
-                self.model_runner.reload_weights(weights_iterator=iter(receiver))  # type: ignore[attr-defined]
+                self._sluice_reload(weights_iterator=iter(receiver))
             finally:
                 unread = receiver.drain()  # keeps the group in step even when loading failed
         except BaseException:  # only the broadcast's own failure is translated; the rest goes on

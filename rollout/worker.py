@@ -36,7 +36,8 @@ from envs.tools.base import ToolClass
 from envs.trajectory_env import EnvBuilder, load_tool_classes
 from envs.types import Group, Task, TerminationReason, Trajectory
 from reward.loop import RewardLoop
-from rollout.agent_loop import AgentContext, LoopSettings, ToolActivity, load_agent_loop
+from rollout.agent_loop import AgentContext, LoopSettings, execute_tool, load_agent_loop
+from rollout.loop_watch import LoopWatchdog, ToolActivity
 from rollout.chat import ContinuityBuilder
 from rollout.gate import TurnGate
 from rollout.recorder import BudgetExhausted
@@ -51,8 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STALL_PROBE_S = 0.25  # the watchdog's tick
-STALL_S = 1.0  # a tick this late, with a tool executing, means the tool blocked the loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,28 +91,7 @@ class AgentLoopWorker:
         self._env_open_s = 0.0
         self._num_segments = 0
         self.activity = ToolActivity()
-        self._num_stalls = 0
-        self._watchdog: asyncio.Task | None = None
-
-    async def _watch_loop(self) -> None:
-        """Notice when a tool blocks the event loop (every trajectory of this worker stalls
-        meanwhile, and no timeout can fire): count it and name the tools, with the fix.
-        Stalls with no tool executing (imports, a loaded machine) are not blamed on one."""
-        while True:
-            start = time.monotonic()
-            await asyncio.sleep(STALL_PROBE_S)
-            lag = time.monotonic() - start - STALL_PROBE_S
-            if lag <= STALL_S:
-                continue
-            tools = self.activity.active_since(start)
-            if not tools:
-                log.debug("the event loop was late by %.1f s with no tool executing", lag)
-                continue
-            self._num_stalls += 1
-            log.warning("the event loop was blocked for %.1f s while %s executed; every "
-                        "trajectory of this worker waited. Do blocking work in a tool with "
-                        "`await asyncio.to_thread(...)`, or set `blocking = True` on the tool "
-                        "class", lag, ", ".join(tools))
+        self.watchdog = LoopWatchdog(self.activity, execute_tool.__code__, settings.tool_timeout_s)
 
     def loop_for(self, task: Task) -> Any:
         """The task's own loop class if it names one, else the recipe's; resolved once."""
@@ -130,8 +108,6 @@ class AgentLoopWorker:
 
     async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
         """G scored trajectories of `task`."""
-        if self._watchdog is None:
-            self._watchdog = asyncio.create_task(self._watch_loop())
         self.check_task(task)
         samples = await asyncio.gather(
             *(self.run_sample(task, group_id, i) for i in range(group_size)))
@@ -144,6 +120,7 @@ class AgentLoopWorker:
     async def run_sample(self, task: Task, group_id: str, index: int) -> list[Trajectory]:
         """One scored sample, as its segments in order: environment, agent loop, release,
         reward (scored once, shared by every segment)."""
+        self.watchdog.start()
         env = self.envs.build(task)
         ctx = AgentContext(task=task, group_id=group_id, index=index, settings=self.settings,
                            chat=self.chat, tokenizer=self.tokenizer, env=env,
@@ -202,7 +179,7 @@ class AgentLoopWorker:
         return WorkerStats(self._num_running, sum(self._end_reasons.values()),
                            dict(self._end_reasons), self._num_tool_errors, self._num_divergences,
                            self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s,
-                           self._num_stalls, self._num_segments,
+                           self.watchdog.num_stalls, self._num_segments,
                            sum_gateway_stats(gateways) if gateways else None)
 
 

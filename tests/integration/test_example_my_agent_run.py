@@ -1,8 +1,10 @@
 """The guide's example package run for real, as docs/custom_agent.md tells a newcomer to
-run it: `python -m trainer.main recipe=examples/my_agent/recipe.yaml` trains 4 steps with
-the example's own agent loop, tool, reward function and task file (the whole system: Ray,
-vLLM, sandboxes, DeepSpeed), writes metrics whose every key docs/metrics.md explains, and
-its last checkpoint exports to a Hugging Face folder."""
+run it: `python -m trainer.main recipe=examples/my_agent/recipe.yaml` warm-starts the tiny
+model (the quickstart's toy warm start, for a task file that is not a built-in set) and
+trains 4 steps with the example's own agent loop, tool, reward function and task file (the
+whole system: Ray, vLLM, sandboxes, DeepSpeed), writes metrics whose every key
+docs/metrics.md explains, counts tool calls and errors per tool, and its last checkpoint
+exports to a Hugging Face folder."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def test_the_example_package_trains_and_exports(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "done: 4 steps" in proc.stdout
+    assert "warm start: envs.tasks='examples/my_agent/tasks.jsonl' is not a toy_arithmetic set" \
+        in proc.stderr
     run = runs / "example"
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -42,6 +46,10 @@ def test_the_example_package_trains_and_exports(tmp_path):
     for row in rows:  # the example's reward components reach the metrics
         assert {"reward/correct", "reward/answered", "reward/used_tools"} <= set(row)
         assert 0.0 <= row["reward/mean"] <= 1.0
+    # The warm-started model calls tools; each call is counted under its tool's name.
+    per_tool = {k: sum(r.get(k, 0.0) for r in rows) for r in rows for k in r
+                if k.startswith("rollout/tool_calls/")}
+    assert sum(per_tool.values()) == sum(r["rollout/tool_calls"] for r in rows) > 0, per_tool
     patterns = documented_key_patterns()
     logged = {k for r in rows for k in r if k not in ("step", "time")}
     undocumented = sorted(k for k in logged if not any(p.match(k) for p in patterns))

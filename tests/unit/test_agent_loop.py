@@ -5,6 +5,8 @@ The real vLLM engine runs the same loops in tests/integration."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -393,15 +395,62 @@ async def test_a_declared_blocking_tool_is_timed_out_off_the_event_loop(tokenize
     assert worker.stats().num_loop_stalls == 0
 
 
-async def test_an_undeclared_blocking_tool_is_detected_and_named(tokenizer, caplog):
-    from envs.trajectory_env import EnvBuilder
+class SpinningTool(SleepyTool):
+    """Blocking work in Python code (a busy loop), which the watchdog can stop."""
 
-    worker, _ = make_worker(tokenizer, [call("sleepy", s=1.6), "Answer: 5"], tool_timeout_s=5)
-    worker.envs = EnvBuilder({"sleepy": SleepyTool, "calculator": CalculatorTool})
-    task = Task("t0", TASK.messages, tools=("sleepy",), answer="5")
-    with caplog.at_level("WARNING", logger="rollout.worker"):
-        await worker.run_group(task, "g", 1)
-        await asyncio.sleep(0.3)  # the watchdog's next tick reports it
-    assert worker.stats().num_loop_stalls >= 1
-    assert any("while sleepy executed" in r.message and "blocking = True" in r.message
-               for r in caplog.records)
+    async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+        import time
+
+        until = time.monotonic() + float(arguments["s"])
+        while time.monotonic() < until:
+            pass
+        return ToolResult("spun")
+
+
+def sleepy_worker(tokenizer, tool, script, tool_timeout_s):
+    worker, _ = make_worker(tokenizer, script, tool_timeout_s=tool_timeout_s)
+    worker.envs = EnvBuilder({"sleepy": tool, "calculator": CalculatorTool})
+    return worker, Task("t0", TASK.messages, tools=("sleepy",), answer="5")
+
+
+async def test_an_undeclared_blocking_tool_is_named_while_it_blocks(tokenizer, caplog):
+    """The watchdog runs on a thread: its warning is written while the loop is still
+    blocked (before the tool returns), and names the tool and the fix."""
+    worker, task = sleepy_worker(tokenizer, SleepyTool, [call("sleepy", s=2.5), "Answer: 5"], 30)
+    seen_while_blocked = []
+
+    class Probe(logging.Handler):
+        def emit(self, record):
+            seen_while_blocked.append(worker.activity.on_loop != {})
+
+    probe = Probe(level=logging.WARNING)
+    logging.getLogger("rollout.loop_watch").addHandler(probe)
+    try:
+        with caplog.at_level("WARNING", logger="rollout.loop_watch"):
+            traj = await worker.run_trajectory(task, "g", 0)
+    finally:
+        logging.getLogger("rollout.loop_watch").removeHandler(probe)
+    assert "woke up" in tokenizer.decode(traj.response_ids.tolist())  # under its timeout: kept
+    assert worker.stats().num_loop_stalls == 1
+    assert seen_while_blocked and seen_while_blocked[0]
+    assert any("tool 'sleepy' has blocked the event loop" in r.message
+               and "blocking = True" in r.message for r in caplog.records)
+    assert worker.activity.blocking == {"sleepy"}  # its later calls run on a thread
+
+
+async def test_a_tool_blocking_the_loop_past_its_timeout_is_stopped_then_runs_on_a_thread(tokenizer):
+    """Python code that holds the loop past agent.tool_timeout_s gets ToolBlockedLoop raised
+    inside it (a timeout observation, the trajectory goes on); the tool's next call runs on
+    a thread, where the plain timeout fires while the loop keeps turning."""
+    script = [call("sleepy", s=30), call("sleepy", s=30), "Answer: 5"]
+    worker, task = sleepy_worker(tokenizer, SpinningTool, script, 1.5)
+    start = time.monotonic()
+    traj = await worker.run_trajectory(task, "g", 0)
+    elapsed = time.monotonic() - start
+    text = tokenizer.decode(traj.response_ids.tolist())
+    assert "Timeout: sleepy did not finish within 1.5 s (it blocked the worker's event loop)." in text
+    assert "Timeout: sleepy did not finish within 1.5 s." in text  # the second call, on a thread
+    assert traj.termination is TerminationReason.FINISHED
+    assert elapsed < 25  # neither 30 s spin ran to its end on the loop
+    assert worker.stats().num_loop_stalls == 1  # the call on a thread did not block the loop
+

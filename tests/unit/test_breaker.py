@@ -25,7 +25,18 @@ def test_trips_after_threshold_same_failures_and_resets_on_success():
     assert breaker.failed("E: x 'c'") is None and breaker.failed("E: x 'd'") is None
     tripped = breaker.failed("E: x 'e'")
     assert tripped is not None and tripped.count == 3 and "E: x 'c'" in tripped.example
-    assert "buffer.max_repeated_failures" in tripped.message()
+    assert tripped.message().splitlines()[:2] == [
+        "stopped: 3 groups in a row failed with the same error (buffer.max_repeated_failures=3); "
+        "the first of them:", "  E: x 'c'"]
+
+
+def test_the_stop_message_shows_the_error_as_it_was_not_its_masked_signature():
+    breaker = FailureBreaker(2)
+    breaker.failed("exceeded agent.trajectory_timeout_s=120 while tool 'sleepy' ran for 118 s")
+    message = breaker.failed("exceeded agent.trajectory_timeout_s=120 while tool 'sleepy' ran for 119 s")
+    assert message is not None
+    assert "trajectory_timeout_s=120 while tool 'sleepy' ran for 118 s" in message.message()
+    assert "=N" not in message.message() and "'…'" not in message.message()
 
 
 def test_mixed_failures_trip_at_three_times_the_threshold():
@@ -33,6 +44,10 @@ def test_mixed_failures_trip_at_three_times_the_threshold():
     results = [breaker.failed(f"{kind}Error: boom") for kind in ["A", "B", "C", "D", "E", "F"]]
     assert results[:5] == [None] * 5 and results[5] is not None
     assert results[5].signature == "every group fails"
+    text = results[5].message()
+    assert text.startswith("stopped: no group succeeded in the last 6 (3 x "
+                           "buffer.max_repeated_failures=2)")
+    assert "(x1) AError: boom" in text and "'…'" not in text
 
 
 def test_repeated_errors_cost_log_lines_in_log2(caplog):

@@ -339,6 +339,17 @@ async def test_a_failed_eval_group_is_reported_not_fatal():
     assert metrics["eval/failed_groups"] == 1 and metrics["eval/num_trajectories"] == 6
 
 
+async def test_a_breaker_that_trips_during_the_first_eval_ends_the_run_at_once():
+    """Training groups that all fail trip the breaker while the held-out tasks are still
+    being scored (slow eval groups): the run ends without waiting for the evaluation."""
+    rollout = FakeRollout(fail={t.id: TerminationReason.ERROR for t in TASKS},
+                          slow={t.id: 30.0 for t in TASKS[:4]})
+    ctl, _, _ = make(rollout, eval_tasks=TASKS[:4], breaker=2)
+    with pytest.raises(RepeatedFailureError):
+        await asyncio.wait_for(ctl.run(), 5.0)  # not 30 s: stop() cancels the eval groups
+    assert any(g.startswith("eval-v0") for g in rollout.cancelled)
+
+
 async def test_tokens_of_another_version_are_refused():
     rollout = FakeRollout()
     rollout.engine_version = 1

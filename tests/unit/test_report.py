@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -265,3 +266,103 @@ def test_the_events_of_a_recorded_run_agree_with_its_metrics():
     assert keys <= set(from_metrics)
     for key in keys:
         assert from_events[key] == from_metrics[key], key
+
+
+def user_run(folder: Path, num_steps: int = 12) -> Path:
+    """A run of the example's ShopReward (components correct, answered, used_tools) with
+    per-tool counts, the trainer's own reward/* keys and a transcripts.jsonl of 3 lines."""
+    folder.mkdir()
+    rows = []
+    for step in range(1, num_steps + 1):
+        row = {"step": step, "reward/mean": 0.5, "reward/errors_total": 2.0,
+               "reward/hack_conftest": 1.0, "reward/graded_in_image": 4.0, "reward/timeout": 1.0,
+               "reward/correct": step / 10, "reward/used_tools": 1.0,
+               "rollout/tool_calls": 6.0, "rollout/tool_errors": 3.0,  # totals: not a tool
+               "rollout/tool_calls/price": 4.0, "rollout/tool_errors/price": 1.0,
+               "rollout/tool_calls/<b>x</b>": 2.0, "rollout/tool_errors/<b>x</b>": 2.0}
+        if step <= 3:
+            row["reward/answered"] = float(step)
+        if step == 1:
+            row["rollout/tool_errors/(malformed)"] = 1.0
+        rows.append(row)
+    write_lines(folder / "metrics.jsonl", rows)
+    write_lines(folder / "transcripts.jsonl", [{"step": 1, "reward": 1.0}, {"step": 1}, "",
+                                               {"step": 2}])
+    return folder
+
+
+def section(page: str, title: str) -> str:
+    """The HTML of one table section of a page: from its heading to its caption."""
+    start = page.index(f">{title}</h3>")
+    return page[start:page.index('<p class="caption">', start)]
+
+
+def test_reward_components_are_the_users_with_first_and_last_steps(tmp_path):
+    part = build_part(load_run(user_run(tmp_path / "run")), ReportOptions())
+    table = next(t for t in part.tables if t.key == "reward_components_table")
+    # correct = step / 10: steps 1-5 average 0.3, steps 8-12 average 1.0; answered has
+    # 3 steps, too few to average: its first and last
+    assert table.rows == [["answered", "1.000 (step 1)", "3.000 (step 3)", "+2.000", "3"],
+                          ["correct", "0.300 (steps 1-5)", "1.000 (steps 8-12)", "+0.700", "12"],
+                          ["used_tools", "1.000 (steps 1-5)", "1.000 (steps 8-12)", "+0.000", "12"]]
+    panel = next(p for p in part.panels if p.key == "reward_components")
+    assert [t.name for t in panel.figure.data] == ["reward/answered", "reward/correct",
+                                                   "reward/used_tools"]
+
+
+def test_tool_errors_per_tool_are_summed_and_sorted_by_errors(tmp_path):
+    run = user_run(tmp_path / "run")
+    part = build_part(load_run(run), ReportOptions())
+    table = next(t for t in part.tables if t.key == "tool_errors")
+    assert table.head == ("tool", "calls", "errors", "error rate")
+    assert table.rows == [["<b>x</b>", "24", "24", "100.0%"], ["price", "48", "12", "25.0%"],
+                          ["(malformed)", "0", "1", "-"]]
+    page = build_report(run, tmp_path / "report.html").read_text()
+    html_table = section(page, "Tool calls and errors per tool")
+    assert "<tr><td>&lt;b&gt;x&lt;/b&gt;</td><td>24</td><td>24</td><td>100.0%</td></tr>" in html_table
+    assert "<b>x</b>" not in html_table
+    assert '<a href="#tool_errors">' in page and '<a href="#reward_components_table">' in page
+
+
+def test_the_transcripts_link_is_relative_to_the_reports_folder(tmp_path, monkeypatch):
+    run = user_run(tmp_path / "my run")
+    page = build_report(run, tmp_path / "reports" / "r.html").read_text()
+    assert ('<th>transcripts</th><td><a href="../my%20run/transcripts.jsonl">../my run/'
+            'transcripts.jsonl</a> (3 transcripts, one JSON object a line)</td>') in page
+    assert main([str(run)]) == 0  # the default: report.html beside the transcripts
+    assert '<a href="transcripts.jsonl">transcripts.jsonl</a>' in (run / "report.html").read_text()
+
+    def no_relative_path(path, start):
+        raise ValueError("path is on mount 'D:', start on mount 'C:'")
+
+    monkeypatch.setattr("launch.report.os.path.relpath", no_relative_path)
+    page = build_report(run, tmp_path / "reports" / "r.html").read_text()
+    absolute = (run / "transcripts.jsonl").resolve()
+    assert f'<a href="{absolute.as_uri()}">{absolute}</a>' in page
+
+
+def test_a_run_without_components_tool_counts_or_transcripts_renders_without_them(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write_lines(folder / "metrics.jsonl", [
+        {"step": s, "reward/mean": 0.5, "reward/errors_total": 0.0, "reward/reward_error": 0.0,
+         "rollout/tool_calls": 4.0, "rollout/tool_errors": 1.0} for s in (1, 2)])
+    part = build_part(load_run(folder), ReportOptions())
+    assert part.tables == [] and "transcripts" not in dict(part.header)
+    assert "reward_components" not in {p.key for p in part.panels}
+    page = build_report(folder, tmp_path / "report.html").read_text()
+    assert "Reward components" not in page and "errors per tool" not in page
+    assert 'data-report-figure="reward"' in page
+
+
+def test_the_reward_keys_docs_metrics_lists_as_the_trainers_own_are_not_components():
+    from launch.report_data import is_reward_component
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    keys = re.findall(r"^\| `(reward/[^`]+)`", docs, flags=re.MULTILINE)
+    assert "reward/<component>" in keys and len(keys) > 5
+    for key in keys:
+        if key != "reward/<component>":  # a family such as reward/hack_<finding>: one member
+            assert not is_reward_component(re.sub(r"<[^>]+>", "x", key)), key
+    assert all(is_reward_component(f"reward/{n}") for n in ("correct", "answered", "used_tools"))
+    assert not is_reward_component("reward/std") and not is_reward_component("rollout/turns")

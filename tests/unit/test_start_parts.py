@@ -61,3 +61,37 @@ def test_a_part_that_fails_to_start_leaves_no_sandbox_mounted(parts: list[str]) 
     # after the engines failed are closed before the error is raised.
     assert parts == ["train ranks started", "engines starting", "pools starting",
                      "pools started", "pools closed"]
+
+
+def test_a_local_ray_start_that_times_out_is_tried_again_and_its_processes_killed(monkeypatch):
+    """Ray gives a new local node 30 s to register; a loaded machine can miss that. The
+    failed attempt's processes are killed, the next attempt runs, and after the last a
+    StartupError (exit 4) says what happened and what to do."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from trainer.run.pools import StartupError, _descendants, _start_local_cluster
+
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    started: list[subprocess.Popen] = []
+
+    def init(succeed_at: int) -> None:  # starts a "raylet", then fails as Ray's node does
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        if len(started) < succeed_at:
+            raise Exception("The current node timed out during startup.")
+
+    try:
+        assert _start_local_cluster(lambda: init(succeed_at=3)) is None  # the third attempt
+        assert [p.wait(timeout=10) for p in started[:2]] == [-9, -9]  # failed attempts' processes
+        assert started[2].poll() is None and started[2].pid in _descendants()
+        started[2].kill()
+        started.clear()
+        with pytest.raises(StartupError, match=r"did not start \(3 attempts; the last: Exception: "
+                                               r"The current node timed out.*cluster.address=auto"):
+            _start_local_cluster(lambda: init(succeed_at=99))
+        assert all(p.wait(timeout=10) == -9 for p in started)
+    finally:
+        for p in started:
+            p.kill()

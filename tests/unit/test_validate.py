@@ -265,6 +265,15 @@ def test_model_folder_problems(tmp_path, tiny_model_path):
         "(or 'chat_template' in tokenizer_config.json)"]
 
 
+def test_the_run_start_checks_run_in_validation_too():
+    """What a real start checks before its engines (the chat family and its parsers
+    against the template) fails validation, so --dry-run catches it."""
+    problems = validate_run(load_config("quickstart.yaml", ["agent.chat_family=llama3"]))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("agent.chat_family: chat template check failed with "
+                                  "agent.chat_family='llama3'")
+
+
 def test_row_problems_are_capped_per_file(tmp_path):
     tasks = write_rows(tmp_path / "t.jsonl", ['{"id": '] * 50)
     cfg = load_config("quickstart.yaml", ["model.warm_start=null", "eval.tasks=null",

@@ -277,3 +277,23 @@ def test_a_broadcast_done_just_after_its_wait_slice_ran_out_succeeds():
 def test_a_broadcast_that_failed_just_after_its_wait_slice_ran_out_raises_its_own_error():
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
         _broadcast_with(RacingWork(RuntimeError("Connection reset by peer")))
+
+
+def test_only_the_rotary_layers_reload_warning_is_dropped():
+    """vLLM warns "<Layer>: Failed to load weights" for every layer an in-place reload
+    found nothing for: the rotary cache (never in a push) is harmless, any other is not."""
+    import logging
+
+    from rollout.weight_reload import quiet_rotary_reload_warning
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet_rotary_reload_warning()
+    quiet_rotary_reload_warning()  # once per process, however often a push calls it
+    assert len(logger.filters) == 1
+
+    def passes(layer: str) -> bool:
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 1,
+                                   "%s: Failed to load weights", (layer,), None)
+        return logger.filter(record)
+    assert not passes("RotaryEmbedding") and not passes("YaRNScalingRotaryEmbedding")
+    assert passes("VocabParallelEmbedding") and passes("QKVParallelLinear")

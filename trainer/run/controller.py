@@ -133,6 +133,7 @@ class Controller:
         self._capacity = asyncio.Event()
         self._group_ready = asyncio.Event()
         self._stopping = False
+        self._stopped = asyncio.Event()  # set by stop(): work that would outlast it is cancelled
         self._trainer_clock = BusyClock(clock)
         self._rollout_idle: list[float] = []
         self._group_ids = itertools.count()
@@ -281,7 +282,8 @@ class Controller:
         every = self.cfg.eval.every_steps
         try:
             if self.eval_tasks and self.version not in self.eval_rewards:
-                self.logger.log(self.version, await self._evaluate())  # weights before any step
+                if before := await self._evaluate():  # weights before any step
+                    self.logger.log(self.version, before)
             while self.version < self.cfg.train.num_steps and not self._stopping:
                 step_start, step_wall = self.clock(), self.wall_clock()
                 groups = await self._take_batch()
@@ -336,6 +338,7 @@ class Controller:
     def stop(self) -> None:
         """Stop admitting and end the run at the next step boundary (Ctrl-C, SIGTERM)."""
         self._stopping = True
+        self._stopped.set()
         self._capacity.set()
         self._group_ready.set()
 
@@ -349,9 +352,18 @@ class Controller:
         training loop waits, so no push can land mid-trajectory; admission goes on."""
         start = self.clock()
         n = self.cfg.eval.samples_per_task
-        results = await asyncio.gather(
+        evaluation = asyncio.ensure_future(asyncio.gather(
             *(self.rollout.run_group(t, f"eval-v{self.version}-{i}", n)
-              for i, t in enumerate(self.eval_tasks)), return_exceptions=True)
+              for i, t in enumerate(self.eval_tasks)), return_exceptions=True))
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        await asyncio.wait({evaluation, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not evaluation.done():  # stop() (Ctrl-C, the breaker): minutes of eval are not waited for
+            evaluation.cancel()
+            await asyncio.gather(evaluation, return_exceptions=True)
+            log.warning("eval at version %d cancelled: the run is stopping", self.version)
+            return {}
+        results = evaluation.result()
         failed = [r for r in results if isinstance(r, BaseException)]
         for exc in failed[:3]:  # an evaluation problem is reported, never ends the run
             log.error("eval at version %d: a group failed: %r", self.version, exc)

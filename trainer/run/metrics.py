@@ -231,6 +231,10 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
            "rollout/tool_timeouts": float(sum(u.num_tool_timeouts for u in turns))}
     out.update({f"end/{r}": float(n) for r, n in Counter(t.termination.value for t in samples).items()})
     out.update(tool_parse_counts(trajs))
+    failed = Counter(n for u in turns for n in u.failed_tool_names)
+    for name, n in Counter(n for u in turns for n in u.tool_names).items():
+        out[f"rollout/tool_calls/{name}"] = float(n)
+        out[f"rollout/tool_errors/{name}"] = float(failed[name])
     for name in sorted({k for t in samples for k in t.reward_components}):
         values = [t.reward_components.get(name, 0.0) for t in samples]
         # Findings, failures and grading paths (graded_by_<path>, graded_in_image) are

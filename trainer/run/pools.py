@@ -8,12 +8,16 @@ named instead of hanging. On a CPU machine the same plan has zero GPUs.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from trainer.run.config import SluiceConfig
 
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
@@ -95,7 +100,12 @@ def format_pool_plan(pools: tuple[PoolSpec, ...]) -> str:
     return "\n".join(rows)
 
 
-class PoolPlacementError(RuntimeError):
+class StartupError(RuntimeError):
+    """A part of the system did not start (the Ray cluster, a pool, an engine, a worker);
+    the message says what and what to try. trainer.main exits 4 with it."""
+
+
+class PoolPlacementError(StartupError):
     """The cluster cannot place a pool; the message names the pool and what is missing."""
 
 
@@ -105,6 +115,9 @@ class ClusterConnectionError(ValueError):
 
 
 CONNECT_TIMEOUT_S = 10.0  # how long an explicit cluster.address may take to answer
+# Ray gives a new local node 30 s (not configurable) to register; a loaded machine can miss
+# that (2 of ~16 starts at high load in a trial), and the next attempt usually makes it.
+LOCAL_START_ATTEMPTS = 3
 
 
 def connect_cluster(cfg: SluiceConfig) -> None:
@@ -120,9 +133,10 @@ def connect_cluster(cfg: SluiceConfig) -> None:
         # address="local" makes ray.init start a new cluster. RAY_ADDRESS (what `ray start`
         # tells a shell to export) would still reach every process this one starts.
         os.environ.pop("RAY_ADDRESS", None)
-        context = ray.init(address="local", num_cpus=c.local_num_cpus, num_gpus=c.local_num_gpus,
-                           resources={c.sandbox_resource: c.local_num_sandbox_slots},
-                           include_dashboard=False, log_to_driver=True)
+        context = _start_local_cluster(
+            lambda: ray.init(address="local", num_cpus=c.local_num_cpus, num_gpus=c.local_num_gpus,
+                             resources={c.sandbox_resource: c.local_num_sandbox_slots},
+                             include_dashboard=False, log_to_driver=True))
         # ray.init is annotated as returning BaseContext; a local start (never a ray://
         # client) returns a RayContext, whose address_info names the session folder.
         from ray._private.worker import RayContext
@@ -132,9 +146,17 @@ def connect_cluster(cfg: SluiceConfig) -> None:
         assert session_dir is not None, "ray.init started a cluster without a session folder"
         _record_private_cluster(session_dir)
         return
-    _check_reachable(c.address)
+    join_cluster(c.address)
+
+
+def join_cluster(address: str, *, log_to_driver: bool = True) -> None:
+    """Join the running Ray cluster at `address` ('auto', 'host:port', 'ray://host:port');
+    ClusterConnectionError, saying what to start or fix, when none answers there."""
+    import ray
+
+    _check_reachable(address)
     try:
-        ray.init(address=c.address)
+        ray.init(address=address, log_to_driver=log_to_driver)
         return
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = exc
@@ -149,14 +171,53 @@ def connect_cluster(cfg: SluiceConfig) -> None:
     if maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
         ray.shutdown()
         try:
-            ray.init(address=c.address)
+            ray.init(address=address, log_to_driver=log_to_driver)
             return
         except (ConnectionError, RuntimeError, ValueError) as exc:
             first = exc
     raise ClusterConnectionError(
-        f"cluster.address={c.address!r}: cannot join a Ray cluster there ({first}). Start "
+        f"cluster.address={address!r}: cannot join a Ray cluster there ({first}). Start "
         "the head first (`ray start --head` on it), fix the address, or set "
         "cluster.address=local for a private cluster on this machine") from None
+
+
+def _start_local_cluster(init: Callable[[], T], attempts: int = LOCAL_START_ATTEMPTS) -> T:
+    """`init()` (a local ray.init), tried again when Ray's node misses its start-up window;
+    the processes a failed attempt started are killed first. StartupError after `attempts`."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        before = _descendants()
+        try:
+            return init()
+        except Exception as exc:  # Ray raises a bare Exception when its node times out
+            ray.shutdown()
+            for pid in _descendants() - before:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            if attempt == attempts:
+                raise StartupError(
+                    f"the local Ray cluster did not start ({attempts} attempts; the last: "
+                    f"{type(exc).__name__}: {exc}). A loaded machine makes Ray miss its 30 s "
+                    "start-up window: run again when it is quieter, or start Ray yourself "
+                    "(`ray start --head`) and set cluster.address=auto") from exc
+            log.warning("the local Ray cluster did not start (%s: %s); trying again (%d of %d)",
+                        type(exc).__name__, exc, attempt + 1, attempts)
+    raise AssertionError("unreachable")
+
+
+def _descendants() -> set[int]:
+    """The pids of this process's children, their children, and so on (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
 
 
 def _check_reachable(address: str) -> None:

@@ -276,6 +276,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     from rollout.chat import decode_text, load_tokenizer
     from rollout.template_check import check_template
     from trainer.run.checkpoint import RunState, load_checkpoint, save_checkpoint
+    from trainer.run.pools import StartupError
     from trainer.train.weight_sync import resolve_transport
 
     resolve_transport(cfg)
@@ -290,7 +291,12 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
                    tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser)
     parts: Parts | None = None
     try:
-        parts = await start_parts(cfg, model_path, task_images(cfg, [*tasks, *eval_tasks]))
+        try:
+            parts = await start_parts(cfg, model_path, task_images(cfg, [*tasks, *eval_tasks]))
+        except (ValueError, StartupError):  # their messages say what to change
+            raise
+        except Exception as exc:  # an engine, a pool or a worker that did not come up
+            raise StartupError(f"{type(exc).__name__}: {exc}") from exc
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
         (run_dir / "run_info.json").write_text(json.dumps(run_info(place.recipe), indent=1))

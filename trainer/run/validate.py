@@ -10,12 +10,16 @@ contract check of its plug-in point (which lives with the point's package), with
 being run; every
 row of envs.tasks and eval.tasks is read; every tool a task names resolves to a built-in
 or an envs.tools entry; the model folder (and the judge's) has a config, weights and a
-tokenizer whose chat template renders. Nothing here writes to the run folder; the only
-disk writes are caches a run would fill anyway (the tiny model, SWE repository snapshots).
+tokenizer whose chat template renders; the run's own start-up checks run as it runs them
+(the chat family, its parsers and keep_thinking against the policy's template,
+rollout.template_check). Nothing here writes to the run folder; the
+only disk writes are caches a run would fill anyway (the tiny model, SWE repository
+snapshots).
 
 The tokenizer is loaded as a fast tokenizer (`tokenizer.json`) through transformers
-without torch, so `--dry-run` stays light; folders without `tokenizer.json` fall back to
-AutoTokenizer.
+without torch; folders without `tokenizer.json` fall back to AutoTokenizer. The template
+check imports vLLM's parser registry (~8 s here, as at a real start); Ray, DeepSpeed and
+wandb stay out of `--dry-run`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from envs.sandbox.backends import load_sandbox_backend
 from envs.tasks import BUILTIN_SETS, read_tasks
@@ -34,6 +38,9 @@ from rollout.reward_plugins import check_reward_fn
 from trainer.run.config import SluiceConfig
 from trainer.run.warm_start import load_warm_start
 from trainer.train.backends import load_train_backend
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PluginKind = Literal["agent loop", "reward fn", "tool", "sandbox backend", "warm start",
                      "train backend"]
@@ -83,7 +90,8 @@ def validate_run(cfg: SluiceConfig) -> list[str]:
         problems += _task_tool_problems(key, tasks, tool_names)
         problems += _task_plugin_problems(key, tasks, checked)
 
-    problems += _model_problems("model.path", cfg.model.path)
+    policy_problems = _model_problems("model.path", cfg.model.path)
+    problems += policy_problems or _chat_problems(cfg)
     if cfg.reward.judge.enabled:
         problems += _model_problems("reward.judge.model_path", cfg.reward.judge.model_path)
     return problems
@@ -168,15 +176,10 @@ def _task_plugin_problems(key: str, tasks: list[Task], checked: set[tuple[str, s
 # --- model -------------------------------------------------------------------------------
 
 def _model_problems(key: str, path: str) -> list[str]:
-    if path == "tiny":
-        from trainer.run.tiny_model import ensure_tiny_model
-
-        folder = ensure_tiny_model()  # built once into the cache; what the run uses
-    else:
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            return [f"{key}: {path!r} is not a folder; give a Hugging Face model folder "
-                    "(config.json, weights, tokenizer) or 'tiny' for the local test model"]
+    folder = _model_folder(path)
+    if not folder.is_dir():
+        return [f"{key}: {path!r} is not a folder; give a Hugging Face model folder "
+                "(config.json, weights, tokenizer) or 'tiny' for the local test model"]
     out = []
     config = folder / "config.json"
     try:
@@ -192,16 +195,44 @@ def _model_problems(key: str, path: str) -> list[str]:
     return out
 
 
+def _model_folder(path: str) -> Path:
+    if path == "tiny":
+        from trainer.run.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model()  # built once into the cache; what the run uses
+    return Path(path).expanduser()
+
+
+def _load_tokenizer(folder: Path) -> "PreTrainedTokenizerBase | None":
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast  # light: no torch
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _chat_problems(cfg: SluiceConfig) -> list[str]:
+    """The run's start-up self-check of agent.chat_family, its parsers and keep_thinking
+    against the policy's chat template (rollout.template_check), as the run does it."""
+    from rollout.template_check import check_template
+
+    a = cfg.agent
+    tokenizer = _load_tokenizer(_model_folder(cfg.model.path))
+    if tokenizer is None:  # _tokenizer_problems said so already
+        return []
+    try:
+        check_template(tokenizer, a.chat_family, a.keep_thinking, tool_parser=a.tool_parser,
+                       reasoning_parser=a.reasoning_parser)
+    except ValueError as exc:  # its message names the knob to change
+        return [f"agent.chat_family: {exc}"]
+    return []
+
+
 def _tokenizer_problems(key: str, folder: Path) -> list[str]:
     try:
-        if (folder / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast  # light: no torch
-
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
-        else:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = _load_tokenizer(folder)
     except Exception as exc:  # transformers raises many kinds for a broken folder
         return [f"{key}: the tokenizer in {folder} does not load ({_describe(exc)})"]
     if tokenizer is None:
