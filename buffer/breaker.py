@@ -91,7 +91,7 @@ class FailureBreaker:
         n = self._seen[sig]
         if n & (n - 1) == 0:  # 1, 2, 4, 8, ...: a repeated error costs log lines in log2(n)
             log.error("group failed (%d time%s so far): %s", n, "" if n == 1 else "s",
-                      message.strip() if n == 1 else sig)
+                      message.strip() if n == 1 else _first_line(message))
         self._streak[sig] += 1
         self._streak_total += 1
         if self._streak[sig] == 1:  # the example shown is the first of this streak

@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_model_report(models))
     from trainer.run.validate import format_problems, validate_run
 
-    # plug-ins, task rows, tools, model: before anything starts
-    problems = models.problems + validate_run(cfg)
+    # plug-ins, task rows, tools, model, the checkpoint to resume: before anything starts
+    problems = models.problems + validate_run(cfg) + _resume_problems(cfg, recipe)
     if problems:
         print(f"config error: {format_problems(problems)}", file=sys.stderr)
         return EXIT_CONFIG
@@ -146,6 +146,20 @@ def main(argv: list[str] | None = None) -> int:
           f"transcripts: {run_dir / 'transcripts.jsonl'}\nwandb:       {run_dir / 'wandb'} "
           f"(offline runs: `wandb sync {run_dir / 'wandb'}/offline-run-*`)")
     return EXIT_DONE
+
+
+def _resume_problems(cfg: SluiceConfig, recipe: str | None) -> list[str]:
+    """checkpoint.resume_from found as the run will look for it (a run folder, a checkpoint,
+    or `latest` of this recipe's runs)."""
+    if cfg.checkpoint.resume_from is None:
+        return []
+    from trainer.run.system import resolve_run_place
+
+    try:
+        resolve_run_place(cfg, Path(recipe or "run").stem)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def _mean_head_tail(values: tuple[float, ...], k: int = 5) -> tuple[float, float]:
