@@ -85,6 +85,7 @@ class LoopWatchdog:
         self._loop_thread = 0
         self._stop = threading.Event()
         self._heartbeat: asyncio.Task | None = None
+        self.thread: threading.Thread | None = None  # the watching thread, once started
 
     def start(self) -> None:
         """Start watching the running loop (once; later calls do nothing)."""
@@ -94,7 +95,8 @@ class LoopWatchdog:
         self._loop_thread = threading.get_ident()
         self._beat = time.monotonic()
         self._heartbeat = self._loop.create_task(self._beats())
-        threading.Thread(target=self._watch, name="sluice-loop-watchdog", daemon=True).start()
+        self.thread = threading.Thread(target=self._watch, name="sluice-loop-watchdog", daemon=True)
+        self.thread.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -108,8 +110,15 @@ class LoopWatchdog:
 
     def _watch(self) -> None:
         stall: _Stall | None = None
+        loop = self._loop
+        assert loop is not None
         while not self._stop.wait(self.probe_s):
+            if loop.is_closed():  # the worker's loop is gone (asyncio.run ended): so is the watch
+                return
             now = time.monotonic()
+            if not loop.is_running():  # between runs nothing beats, and nothing is blocked
+                self._beat, stall = now, None
+                continue
             blocked = now - self._beat - self.probe_s
             if blocked <= self.stall_s:
                 if stall is not None and stall.reported_at:

@@ -201,6 +201,25 @@ async def test_timeout_keeps_the_partial_trajectory(tokenizer):
     assert len(t.turns) >= 1 and t.num_model_tokens > 0
 
 
+class RaisingReward:
+    async def __call__(self, trajectory, task, ctx):
+        raise RuntimeError("reward exploded")
+
+
+async def test_a_failing_reward_leads_the_detail_and_the_ending_follows(tokenizer):
+    """The first line of a failed trajectory's detail names its failure (the breaker groups
+    and shows failures by it): the reward's error, then how the loop had ended."""
+    worker, _ = make_worker(tokenizer, [call("echo", text="x")], max_turns=100,
+                            traj_timeout_s=0.3, engine_delay_s=0.05)
+    worker.rewards = RewardLoop(f"{__name__}:RaisingReward", worker.rewards.decode,
+                                timeout_s=30.0, max_concurrency=8)
+    t = await worker.run_trajectory(TASK, "g", 0)
+    first, rest = t.termination_detail.split("\n", 1)
+    assert t.termination is TerminationReason.ERROR
+    assert first == f"reward {__name__}:RaisingReward raised RuntimeError: reward exploded"
+    assert rest.startswith("(the trajectory had ended: exceeded agent.trajectory_timeout_s=0.3")
+
+
 class ExplodingLoop:
     """A user loop defined outside the repo that fails after one turn."""
 
@@ -454,3 +473,11 @@ async def test_a_tool_blocking_the_loop_past_its_timeout_is_stopped_then_runs_on
     assert elapsed < 25  # neither 30 s spin ran to its end on the loop
     assert worker.stats().num_loop_stalls == 1  # the call on a thread did not block the loop
 
+
+
+def test_the_watchdog_thread_ends_with_its_event_loop(tokenizer):
+    worker, task = sleepy_worker(tokenizer, SleepyTool, ["Answer: 5"], 5)
+    asyncio.run(worker.run_trajectory(task, "g", 0))  # starts the watchdog, then closes the loop
+    assert worker.watchdog.thread is not None
+    worker.watchdog.thread.join(timeout=5)
+    assert not worker.watchdog.thread.is_alive(), "the watchdog outlived its event loop"
