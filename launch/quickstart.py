@@ -38,10 +38,10 @@ from envs.sandbox.base import ExecResult
 from envs.tasks.toy import PROMPT, build_toy_arithmetic, build_toy_arithmetic_easy
 from envs.tools.sandbox_tools import PythonTool, render_exec_result
 from envs.types import Message, Task, ToolCall
-from trainer.train.sft import Demonstration, build_sft_example, demonstrations_key, run_sft
 
 if TYPE_CHECKING:
     from trainer.run.config import SluiceConfig
+    from trainer.train.sft import Demonstration
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ def toy_demonstration(task: Task, max_observation_tokens: int, count_tokens=None
                       sloppy: bool = False) -> Demonstration:
     """Call `python` with print(expression) (sloppy: print(its first number)), read the
     result, answer 'Answer: <n>' with the number the tool printed."""
+    from trainer.train.sft import Demonstration  # torch: only when demonstrations are made
+
     match = _EXPRESSION.fullmatch(task.messages[-1].content)
     if match is None or task.answer is None:
         raise ValueError(f"task {task.id!r} is not a toy_arithmetic task")
@@ -78,6 +80,8 @@ def toy_demonstration(task: Task, max_observation_tokens: int, count_tokens=None
 
 def build_demonstrations(task_set: str, max_observation_tokens: int, count_tokens=None
                          ) -> list[Demonstration]:
+    from trainer.train.sft import Demonstration
+
     if task_set not in BUILDERS:
         raise ValueError(f"model.warm_start_steps has demonstrations only for envs.tasks in "
                          f"{sorted(BUILDERS)}; set model.warm_start_steps=0")
@@ -96,6 +100,7 @@ def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
                      max_observation_tokens: int, cache_root: Path) -> Path:
     """The base model after `steps` supervised steps on toy demonstrations (cached)."""
     from rollout.chat import build_continuity_builder, load_tokenizer
+    from trainer.train.sft import build_sft_example, demonstrations_key, run_sft
 
     tokenizer = load_tokenizer(base_path)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731

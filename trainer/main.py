@@ -86,21 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 
-    pools = plan_pools(cfg)
-    if dry_run:
+    from trainer.run.validate import format_problems, validate_run
+
+    # Checks first, so an error comes within seconds and before any report: plug-ins, task
+    # rows, tools, the model folder, then the chat template (vLLM's parsers) once those pass.
+    models = check_models(cfg)  # context vs positions, TP vs heads, memory per rank and engine
+    problems = models.problems + validate_run(cfg) + _resume_problems(cfg, recipe)
+    if problems:
+        print(f"config error: {format_problems(problems)}", file=sys.stderr, flush=True)
+    elif dry_run:
         print(format_config(cfg))
     else:  # ~150 lines: a run writes it to its folder instead
         print(f"config: {recipe or 'defaults'} with {len(overrides)} override(s); the resolved "
               "config goes to the run folder's config.yaml (`--dry-run` prints it)")
-    print("resource pools:\n" + format_pool_plan(pools))
-    models = check_models(cfg)  # context vs positions, TP vs heads, memory per rank and engine
+    print("resource pools:\n" + format_pool_plan(plan_pools(cfg)))
     print(format_model_report(models))
-    from trainer.run.validate import format_problems, validate_run
-
-    # plug-ins, task rows, tools, model, the checkpoint to resume: before anything starts
-    problems = models.problems + validate_run(cfg) + _resume_problems(cfg, recipe)
     if problems:
-        print(f"config error: {format_problems(problems)}", file=sys.stderr)
         return EXIT_CONFIG
     if dry_run:
         return EXIT_DONE

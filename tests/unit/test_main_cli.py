@@ -23,10 +23,11 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def _dry_run(recipe: str) -> subprocess.CompletedProcess:
-    probe = ("import sys; from trainer.main import main; rc = main(['recipe=%s', '--dry-run']); "
-             "heavy = [m for m in %r if m in sys.modules]; "
-             "print('HEAVY', heavy); sys.exit(rc)") % (recipe, HEAVY)
+def _dry_run(recipe: str, *overrides: str, heavy: tuple[str, ...] = HEAVY) -> subprocess.CompletedProcess:
+    argv = [f"recipe={recipe}", *overrides, "--dry-run"]
+    probe = (f"import sys; from trainer.main import main; rc = main({argv!r}); "
+             f"heavy = [m for m in {heavy!r} if m in sys.modules]; "
+             "print('HEAVY', heavy); sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
@@ -79,3 +80,13 @@ def test_dry_run_looks_for_the_checkpoint_to_resume_as_the_run_does(tmp_path):
                 "checkpoint.resume_from=latest", "--dry-run")
     assert proc.returncode == 2, proc.stderr
     assert f"checkpoint.resume_from=latest: no checkpoint under {tmp_path}/quickstart-*" in proc.stderr
+
+
+def test_a_misspelled_plugin_fails_first_without_vllm_or_the_config_dump():
+    """The checks run before any report, and the chat template check (vLLM's parsers,
+    seconds) only once everything else passed: a typo is reported at once, error first."""
+    proc = _dry_run("quickstart.yaml", "agent.loop=mypkg.loops:Nope", heavy=(*HEAVY, "vllm"))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("config error: 1 problem before start:\n  - agent.loop: "), proc.stderr
+    assert "HEAVY []" in proc.stdout
+    assert "max_staleness" not in proc.stdout  # the resolved config waits for a clean check

@@ -18,8 +18,8 @@ snapshots).
 
 The tokenizer is loaded as a fast tokenizer (`tokenizer.json`) through transformers
 without torch; folders without `tokenizer.json` fall back to AutoTokenizer. The template
-check imports vLLM's parser registry (~8 s here, as at a real start); Ray, DeepSpeed and
-wandb stay out of `--dry-run`.
+check imports vLLM's parser registry (~8 s here, as at a real start), so it runs last and
+only when every other check passed; Ray, DeepSpeed and wandb stay out of `--dry-run`.
 """
 
 from __future__ import annotations
@@ -90,11 +90,12 @@ def validate_run(cfg: SluiceConfig) -> list[str]:
         problems += _task_tool_problems(key, tasks, tool_names)
         problems += _task_plugin_problems(key, tasks, checked)
 
-    policy_problems = _model_problems("model.path", cfg.model.path)
-    problems += policy_problems or _chat_problems(cfg)
+    problems += _model_problems("model.path", cfg.model.path)
     if cfg.reward.judge.enabled:
         problems += _model_problems("reward.judge.model_path", cfg.reward.judge.model_path)
-    return problems
+    # Last and only when the rest passed: it imports vLLM's parsers (seconds), and a
+    # misspelled plug-in should not wait for that.
+    return problems or _chat_problems(cfg)
 
 
 # --- plug-ins ----------------------------------------------------------------------------
