@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -187,6 +188,18 @@ def _load_state(path: str, repeat: int) -> dict[str, RowVerdict]:
     return done
 
 
+def default_state_path(path: str, out: str | None) -> str:
+    """Beside --out; without one, in the cache, keyed by the rows' absolute path: never
+    beside the rows, whose folder may be read-only (a shared dataset)."""
+    if out is not None:
+        return f"{out}.state.jsonl"
+    rows = os.path.abspath(path)
+    key = hashlib.sha256(rows.encode()).hexdigest()[:12]
+    folder = default_cache_dir() / "validate"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f"{os.path.basename(rows.rstrip(os.sep))}-{key}.state.jsonl")
+
+
 async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
                         out: str | None = None, state: str | None = None,
                         timeout_s: float = 300.0, cache_dir: str | None = None,
@@ -198,7 +211,8 @@ async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
     if workers < 1 or repeat < 1:
         raise ValueError(f"--workers={workers} and --repeat={repeat} must both be >= 1")
     rows = await asyncio.to_thread(read_swe_rows, path, cache_dir or str(default_cache_dir()))
-    state = state or f"{out or path}.state.jsonl"
+    state = state or default_state_path(path, out)
+    print(f"finished rows are recorded in {state} (a rerun skips them)", file=progress, flush=True)
     done = _load_state(state, repeat)
     gate = asyncio.Semaphore(workers)
     total, finished = len(rows), 0
@@ -268,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="rows graded at once")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each patch (flakes)")
     parser.add_argument("--out", help="where the valid rows are written (JSONL)")
-    parser.add_argument("--state", help="finished rows, for resuming (default OUT.state.jsonl)")
+    parser.add_argument("--state", help="finished rows, for resuming (default: OUT.state.jsonl, "
+                        "or under the cache without --out; never beside the rows)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per grading run")
     parser.add_argument("--sandbox-backend", default="auto", choices=("auto", "local", "container"),
                         help="auto: container for rows whose repository is in their image")

@@ -275,3 +275,16 @@ def test_forged_or_broken_streams_are_reported(data: bytes, problem: str) -> Non
 def test_an_overflowing_stream_is_reported() -> None:
     _, problems = verify_stream(b"", KEY, overflow=True)
     assert problems == ["the record stream exceeded its size limit"]
+
+
+def test_the_validate_state_file_never_goes_beside_the_rows(tmp_path, monkeypatch):
+    """A read-only dataset folder must not stop `python -m reward.validate`: the state
+    file goes beside --out, or under the cache keyed by the rows' path."""
+    from reward.grading.validate import default_state_path
+
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path / "cache"))
+    rows = tmp_path / "ro" / "rows.jsonl"
+    assert default_state_path(str(rows), str(tmp_path / "valid.jsonl")) == f"{tmp_path}/valid.jsonl.state.jsonl"
+    state = default_state_path(str(rows), None)
+    assert state.startswith(f"{tmp_path}/cache/validate/rows.jsonl-") and state.endswith(".state.jsonl")
+    assert default_state_path(str(tmp_path / "other" / "rows.jsonl"), None) != state
