@@ -39,3 +39,25 @@ def test_busy_clock_measures_the_idle_fraction():
     clock.reset()
     now[0] = 7.0
     assert clock.idle_ratio() == 0.0
+
+
+def test_per_tool_counts_reach_the_metrics_and_the_turn_events():
+    """Each call is counted under its tool's name (calls and failures), and turn events
+    carry the names, so the report can split tool time by tool."""
+    from envs.types import Group, Trajectory, Turn
+    from trainer.run.metrics import compute_batch_metrics, turn_events
+
+    turns = (Turn(0, 2, 0, 1, 3, "stop", 0, num_tool_calls=3, num_tool_errors=2,
+                  tool_names=("price", "price", "(malformed)"),
+                  failed_tool_names=("price", "(malformed)")),
+             Turn(1, 6, 1, 1, 0, "stop", 0))
+    traj = Trajectory("t", "g", 0, [1, 2], [3, 4], [1, 1], [-0.5, -0.5], [0, 0], "finished",
+                      turns=turns, reward=1.0)
+    metrics = compute_batch_metrics([Group("t", "g", (traj,))], 0)
+    assert {k: v for k, v in metrics.items() if k.startswith(("rollout/tool_calls/",
+                                                              "rollout/tool_errors/"))} == {
+        "rollout/tool_calls/price": 2.0, "rollout/tool_errors/price": 1.0,
+        "rollout/tool_calls/(malformed)": 1.0, "rollout/tool_errors/(malformed)": 1.0}
+    events, dropped = turn_events(1, [Group("t", "g", (traj,))], 10)
+    assert dropped == 0 and events[0]["tools"] == ["price", "price", "(malformed)"]
+    assert "tools" not in events[1]

@@ -199,6 +199,8 @@ def turn_events(step: int, groups: Sequence[Group], limit: int) -> tuple[list[di
                      "generate_s": round(u.generate_s, 4), "tool_s": round(u.tool_s, 4),
                      "tool_calls": u.num_tool_calls, "tool_errors": u.num_tool_errors,
                      "tokens": u.num_generated}
+            if u.tool_names:  # one name per call: the report's tool time by tool
+                event["tools"] = list(u.tool_names)
             if u.index == len(t.turns) - 1:
                 event["end"] = t.termination.value
             events.append(event)
