@@ -8,12 +8,17 @@ another process is reading."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
+
+from envs.progress import FirstUse
+
+log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
@@ -24,15 +29,21 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice"
 
 
-def build_once(dest: str, build: Callable[[str], None]) -> str:
-    """`dest`, created by `build(tmp_folder)` unless it already exists."""
+def build_once(dest: str, build: Callable[[str], None], what: str | None = None) -> str:
+    """`dest`, created by `build(tmp_folder)` unless it already exists. `what` names a
+    build long enough to announce (envs.progress): what it is, that it is first use, where
+    it is cached, how long it took."""
     if os.path.isdir(dest):
         return dest
     parent = os.path.dirname(dest)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".building-", dir=parent)
     try:
-        build(tmp)
+        if what is None:
+            build(tmp)
+        else:
+            with FirstUse(what, dest):
+                build(tmp)
         os.chmod(tmp, 0o755)
         try:
             os.rename(tmp, dest)
@@ -53,7 +64,11 @@ def build_lock(dest: str | os.PathLike[str]) -> Generator[None, None, None]:
     os.makedirs(os.path.dirname(lock) or ".", exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds it: say why this one is quiet
+            log.info("waiting for another process to finish building %s", os.fspath(dest))
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing drops the flock

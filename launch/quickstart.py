@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from envs.cache import build_lock
+from envs.progress import FirstUse
 from envs.sandbox.base import ExecResult
 from envs.tasks.toy import PROMPT, build_toy_arithmetic, build_toy_arithmetic_easy
 from envs.tools.sandbox_tools import PythonTool, render_exec_result
@@ -109,9 +110,12 @@ def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
     with build_lock(out):  # concurrent runs: one trains, the others wait and reuse it
         if (out / "config.json").is_file():
             return out
-        chat = build_continuity_builder(tokenizer, "auto")
-        examples = [build_sft_example(tokenizer, chat, d) for d in demos]
-        result = run_sft(base_path, out, examples, steps=steps, batch_size=32)
+        with FirstUse(f"the warm start of {Path(base_path).name} ({len(demos)} demonstrations of "
+                      f"{task_set})", out, total=steps) as progress:
+            chat = build_continuity_builder(tokenizer, "auto")
+            examples = [build_sft_example(tokenizer, chat, d) for d in demos]
+            result = run_sft(base_path, out, examples, steps=steps, batch_size=32,
+                             on_step=progress.advance)
     log.info("warm start: loss %.3f -> %.3f in %.1fs", result.first_loss, result.last_loss,
              result.seconds)
     return out

@@ -314,7 +314,9 @@ def build_bundled_image_set(cache_dir: str) -> str:
     versions = "-".join(f"{p}{version(PROJECTS[p].package)}x{n}"
                         for p, n in sorted(IMAGES_SET_TASKS.items()))
     dest = os.path.join(cache_dir, "swe_smith", f"images-{versions}-seed0")
-    build_once(dest, _build_image_set)
+    build_once(dest, _build_image_set, f"the built-in task set {IMAGES_SET_NAME} ("
+               f"{sum(IMAGES_SET_TASKS.values())} tasks: each mutation's tests run to keep only "
+               "real bugs, then one image a task; minutes to tens of minutes)")
     path = os.path.join(dest, "tasks.jsonl")
     _ensure_images(dest, path)
     return path
@@ -363,7 +365,9 @@ def build_bundled_set(cache_dir: str) -> str:
 
     version = getattr(__import__(PROJECTS["hjson"].package), "__version__", "unknown")
     dest = os.path.join(cache_dir, "swe_smith", f"hjson-{version}-seed0-{BUNDLED_NUM_TASKS}")
-    build_once(dest, lambda tmp: _build_nonempty(tmp))
+    build_once(dest, lambda tmp: _build_nonempty(tmp),
+               f"the built-in task set {SET_NAME} ({BUNDLED_NUM_TASKS} tasks: each mutation's "
+               "tests run to keep only real bugs; minutes)")
     return os.path.join(dest, "tasks.jsonl")
 
 

@@ -193,7 +193,7 @@ def turn_events(step: int, groups: Sequence[Group], limit: int) -> tuple[list[di
             total += 1
             if len(events) >= limit:
                 continue
-            event = {"kind": "turn", "step": step, "traj": f"{t.group_id}/{t.index}",
+            event: dict[str, Any] = {"kind": "turn", "step": step, "traj": f"{t.group_id}/{t.index}",
                      "task": t.task_id, "turn": u.index, "engine": u.engine, "version": u.version,
                      "t0": round(u.started_at, 4), "queue_s": round(u.queue_s, 4),
                      "generate_s": round(u.generate_s, 4), "tool_s": round(u.tool_s, 4),

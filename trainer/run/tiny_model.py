@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from envs.cache import build_lock, default_cache_dir
+from envs.progress import FirstUse
 
 # Bump when anything below changes what is built: the cache key includes it.
 BUILD_VERSION = 1
@@ -155,7 +156,8 @@ def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
     path = root / "models" / f"tiny-qwen2-{_build_key()}"
     with build_lock(path):  # parallel test workers: one builds, the others wait for it
         if not (path / "sluice_build.json").is_file():
-            build_tiny_model(path)
+            with FirstUse("the tiny test model (tokenizer and random weights)", path):
+                build_tiny_model(path)
     return path
 
 

@@ -17,7 +17,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,8 +118,10 @@ def _sum_chunk_loss(model: torch.nn.Module, chunk: Sequence[SftExample]) -> torc
 
 
 def run_sft(model_path: str | Path, out_dir: str | Path, examples: Sequence[SftExample], *,
-            steps: int, batch_size: int = 16, lr: float = 3e-3, seed: int = 0) -> SftResult:
-    """Train on `examples` and save the model (with the tokenizer files) to `out_dir`."""
+            steps: int, batch_size: int = 16, lr: float = 3e-3, seed: int = 0,
+            on_step: Callable[[], None] | None = None) -> SftResult:
+    """Train on `examples` and save the model (with the tokenizer files) to `out_dir`;
+    `on_step()` after each step (progress)."""
     from transformers import AutoModelForCausalLM
 
     if not examples:
@@ -141,6 +143,8 @@ def run_sft(model_path: str | Path, out_dir: str | Path, examples: Sequence[SftE
         schedule.step()
         last = loss.item()
         first = last if step == 0 else first
+        if on_step is not None:
+            on_step()
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
