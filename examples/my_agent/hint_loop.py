@@ -11,10 +11,8 @@ with mask 0 and only the answers are trained. No tools: try it with
 
 from __future__ import annotations
 
-from envs.types import Message, Task, TerminationReason, Trajectory
-from reward.rules import extract_final_answer
-from rollout.agent_loop import AgentContext
-from rollout.parsers import parse_generation
+from rollout.api import (AgentContext, Message, Task, TerminationReason, Trajectory,
+                         extract_final_answer, parse_generation)
 
 HINT = "That is not right. Check each step, then reply with 'Answer: <value>'."
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rollout.agent_loop import AgentContext, ToolAgentLoop, ToolOutcome
-from rollout.tool_parser import ParsedTurn
+from rollout.api import AgentContext, ParsedTurn, ToolAgentLoop, ToolOutcome
 
 
 class TurnBudgetLoop(ToolAgentLoop):

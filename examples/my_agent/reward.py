@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import re
 
-from envs.types import Task, Trajectory
-from reward.base import RewardContext, RewardResult
+from rollout.api import RewardContext, RewardResult, Task, Trajectory
 
 ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from envs.tools.base import ToolResult, function_schema
-from envs.types import JsonObject
+from rollout.api import JsonObject, ToolResult, function_schema
 
 if TYPE_CHECKING:
-    from envs.trajectory_env import TrajectoryEnv
+    from rollout.api import TrajectoryEnv
 
 # Price of one item, in coins. tasks.jsonl's answers are computed from this table.
 PRICES = {"apple": 3, "pear": 5, "lemon": 2, "melon": 12, "plum": 4, "mango": 7}

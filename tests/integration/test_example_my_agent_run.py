@@ -1,16 +1,19 @@
-"""The guide's example package run for real, as docs/custom_agent.md tells a newcomer to
-run it: `python -m trainer.main recipe=examples/my_agent/recipe.yaml` warm-starts the tiny
-model (the quickstart's toy warm start, for a task file that is not a built-in set) and
-trains 4 steps with the example's own agent loop, tool, reward function and task file (the
-whole system: Ray, vLLM, sandboxes, DeepSpeed), writes metrics whose every key
-docs/metrics.md explains, counts tool calls and errors per tool, and its last checkpoint
-exports to a Hugging Face folder."""
+"""The guide's example package run for real as a user's own package: copied outside the
+repository as `shopagent` (its modules import only the public API, rollout.api), its
+recipe run from that folder, `python -m trainer.main recipe=shopagent/recipe.yaml`
+warm-starts the tiny model (the quickstart's toy warm start, for a task file that is not a
+built-in set) and trains 4 steps with the package's own agent loop, tool, reward function
+and task file (the whole system: Ray, vLLM, sandboxes, DeepSpeed), writes metrics whose
+every key docs/metrics.md explains, counts tool calls and errors per tool, and its last
+checkpoint exports to a Hugging Face folder. (The command as written from the repository
+root is run by tests/unit/test_docs_commands.py, with --dry-run.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,16 +31,28 @@ def documented_key_patterns() -> list[re.Pattern[str]]:
                                     .replace(r"\>", ">")) + "$") for k in keys]
 
 
+def user_package(home: Path) -> Path:
+    """examples/my_agent as a package of the user's own, `home/shopagent`."""
+    package = home / "shopagent"
+    shutil.copytree(ROOT / "examples" / "my_agent", package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    recipe = package / "recipe.yaml"
+    recipe.write_text(recipe.read_text().replace("examples.my_agent", "shopagent")
+                      .replace("examples/my_agent", "shopagent"))
+    return package
+
+
 def test_the_example_package_trains_and_exports(tmp_path):
     runs = tmp_path / "runs"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    user_package(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.main", "recipe=examples/my_agent/recipe.yaml",
+        [sys.executable, "-m", "trainer.main", "recipe=shopagent/recipe.yaml",
          f"logging.output_dir={runs}", "logging.run_name=example", "logging.console=false"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "done: 4 steps" in proc.stdout
-    assert "warm start: envs.tasks='examples/my_agent/tasks.jsonl' is not a toy_arithmetic set" \
+    assert "warm start: envs.tasks='shopagent/tasks.jsonl' is not a toy_arithmetic set" \
         in proc.stderr
     run = runs / "example"
 
