@@ -75,9 +75,10 @@ class RowVerdict:
     grade_s: list[float] = field(default_factory=list)  # each grading run's wall time
 
 
-def gold_changes(task: Task, patch: str) -> WorkspaceChanges:
-    """The workspace after `git apply` of the gold patch on a copy of the task's source
-    (an image-only task's: the image's repository)."""
+def gold_changes(task: Task, patch: str, origin: str = "field 'patch'") -> WorkspaceChanges:
+    """The workspace after `git apply` of the gold patch (or any `patch`, named by
+    `origin` in errors) on a copy of the task's source (an image-only task's: the image's
+    repository)."""
     task = with_image_source(task)
     assert task.source_dir is not None
     with tempfile.TemporaryDirectory(prefix="sluice-gold-") as tmp:
@@ -89,8 +90,8 @@ def gold_changes(task: Task, patch: str) -> WorkspaceChanges:
                               env={"PATH": "/usr/bin:/bin", "HOME": tmp,
                                    "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull})
         if proc.returncode != 0:
-            raise ValueError(f"task {task.id!r}: field 'patch' does not apply to the base "
-                             f"commit: {proc.stderr.strip()[:300]}; fix the row's patch or "
+            raise ValueError(f"task {task.id!r}: {origin} does not apply to the base "
+                             f"commit: {proc.stderr.strip()[:300]}; fix the patch or the row's "
                              "base_commit")
         return changes_from_dir(tree, task.source_dir)
 
@@ -225,7 +226,7 @@ async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
         elif task.id in done:
             verdict = done[task.id]
         else:
-            ctx = RewardContext(create_sandbox=create_sandbox or _sandbox_factory(task, backend),
+            ctx = RewardContext(create_sandbox=create_sandbox or sandbox_factory(task, backend),
                                 timeout_s=timeout_s)
             async with gate:
                 verdict = await validate_row(task, row["patch"], repeat, ctx)
@@ -246,7 +247,7 @@ async def validate_file(path: str, *, workers: int = 1, repeat: int = 1,
     return verdicts
 
 
-def _sandbox_factory(task: Task, backend: str) -> SandboxFactory:
+def sandbox_factory(task: Task, backend: str) -> SandboxFactory:
     """The grading sandboxes' backend: `container` for a task whose repository lives in
     its image (auto), else `local`; or the one named."""
     if backend not in ("auto", "local", "container"):

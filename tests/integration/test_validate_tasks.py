@@ -99,3 +99,26 @@ def test_unloadable_and_patchless_rows_are_reported_not_graded(tmp_path: Path) -
     # An image-only row is graded in its image, which is nowhere here: the reason names it
     # (or says that no container engine runs here).
     assert "'img'" in verdicts[1].reason or "container engine" in verdicts[1].reason
+
+
+def test_grade_scores_a_folder_or_a_patch_against_one_row(task_file: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m reward.grade ROW_ID --tasks ROWS --workspace DIR_OR_PATCH`: the row's own
+    reward function in a fresh grading sandbox, reward and components printed."""
+    from reward.grading.grade import main as grade_main
+
+    repo = tmp_path / "repos" / "demo__calc"
+    patch = tmp_path / "fix.diff"
+    patch.write_text(diff_to(repo, FIXED))
+    assert grade_main(["good", "--tasks", str(task_file), "--workspace", str(patch)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("task good: reward 1 (reward.grading.hidden_tests:HiddenTests)")
+    assert "  all_passed = 1" in printed and "  tamper_detected = 0" in printed
+
+    workspace = tmp_path / "left_as_is"
+    shutil.copytree(repo, workspace, ignore=shutil.ignore_patterns(".git"))
+    assert grade_main(["good", "--tasks", str(task_file), "--workspace", str(workspace)]) == 0
+    assert capsys.readouterr().out.startswith("task good: reward 0 ")
+
+    assert grade_main(["nope", "--tasks", str(task_file), "--workspace", str(patch)]) == 2
+    assert "error: no row 'nope' in " in capsys.readouterr().err

@@ -64,6 +64,8 @@ SYNOPSES = {
     "--tail seed --mode async --steps 3 --json": "$S $SEED $Q: shell variables of the lines above it",
     "python -m reward.validate FILE [--workers N] [--repeat K] [--out VALID.jsonl] [--state S]":
         "the validator's synopsis: FILE, [optional parts]",
+    "python -m reward.grade ROW_ID --tasks ROWS.jsonl --workspace DIR_OR_PATCH [--sandbox-backend "
+    "auto|local|container] [--timeout-s S]": "the grader's synopsis: a row, its file and a workspace",
     "python -m envs.tasks.build_swe_smith OUT_DIR [--project hjson|referencing] [--max-tasks 20]":
         "OUT_DIR: a new folder; [optional parts]",
     "python -m reward.validate OUT_DIR/tasks.jsonl --workers 2 --repeat 2 --out OUT_DIR/valid.jsonl":
