@@ -22,6 +22,8 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from envs.cache import default_cache_dir
 from envs.sandbox.changes import changes_from_dir
 from envs.tasks.rows import read_rows
@@ -63,7 +65,9 @@ def workspace_changes(task: Task, workspace: str) -> WorkspaceChanges:
 
 def empty_trajectory(task: Task) -> Trajectory:
     """The trajectory handed to the reward function: no model turns."""
-    return Trajectory(task.id, "grade", 0, [0], [], [], [], [], TerminationReason.FINISHED)
+    none = np.zeros(0)
+    return Trajectory(task.id, "grade", 0, np.zeros(1, np.int32), none, none, none, none,
+                      TerminationReason.FINISHED)
 
 
 async def grade(task: Task, changes: WorkspaceChanges, *, backend: str = "auto",
