@@ -323,8 +323,9 @@ def tool_table(run: RunData) -> Table | None:
              "-" if c.error_rate is None else f"{c.error_rate:.1%}"] for c in counts]
     return Table("tool_errors", "Tool calls and errors per tool", TOOL_COLUMNS, rows,
                  "Sums over the steps of rollout/tool_calls/<tool> and rollout/tool_errors/<tool> "
-                 "(exceptions, timeouts, is_error results, bad arguments); an unknown tool name "
-                 "is its own row, and (malformed) holds the calls that could not be read.")
+                 "(exceptions, timeouts, is_error results, bad arguments); (unknown) holds the calls "
+                 "naming a tool the trajectory does not offer, (malformed) those that could not "
+                 "be read.")
 
 
 def build_part(run: RunData, options: ReportOptions, *, trace: bool = False,

@@ -30,6 +30,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.run.metrics import is_counted_component
+
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -345,19 +347,17 @@ def metric_series(rows: Sequence[Mapping[str, float]]) -> Series:
     return out
 
 
-# reward/* keys the trainer logs of its own (docs/metrics.md, "reward"): the mean and the
-# counts (findings, grading paths, failures; trainer.run.metrics sums those components).
+# reward/* aggregates the trainer logs of its own (docs/metrics.md, "reward"); its counted
+# components (findings, grading paths, failures) are trainer.run.metrics.is_counted_component.
 # Every other reward/<name> is a score the run's reward function returned.
-BUILTIN_REWARD_KEYS = frozenset({"reward/mean", "reward/std", "reward/errors_total",
-                                 "reward/reward_error", "reward/timeout"})
-BUILTIN_REWARD_PREFIXES = ("reward/hack_", "reward/graded_")
+BUILTIN_REWARD_KEYS = frozenset({"reward/mean", "reward/std", "reward/errors_total"})
 TOOL_CALLS_PREFIX, TOOL_ERRORS_PREFIX = "rollout/tool_calls/", "rollout/tool_errors/"
 
 
 def is_reward_component(key: str) -> bool:
     """Whether a metric key is a component of the user's reward (`reward/correct`)."""
     return (key.startswith("reward/") and key not in BUILTIN_REWARD_KEYS
-            and not key.startswith(BUILTIN_REWARD_PREFIXES))
+            and not is_counted_component(key.removeprefix("reward/")))
 
 
 @dataclass(frozen=True, slots=True)

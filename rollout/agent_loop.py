@@ -37,7 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MALFORMED_CALL = "(malformed)"  # the tool name metrics give a call that could not be read
+# The tool names metrics give calls that name no tool of the trajectory: a model's made-up
+# names would otherwise each become a metric key.
+MALFORMED_CALL = "(malformed)"  # a call that could not be read
+UNKNOWN_TOOL = "(unknown)"  # a call naming a tool the trajectory does not offer
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ class ToolOutcome:
     num_timeouts: int
     ends_trajectory: bool
     seconds: float
-    tools: tuple[str, ...] = ()  # the tool each call named, in order ("(malformed)": unreadable)
+    tools: tuple[str, ...] = ()  # the tool of each call, in order (or MALFORMED_CALL, UNKNOWN_TOOL)
     failed_tools: tuple[str, ...] = ()  # the tools of the calls that failed, one per failure
 
 
@@ -186,14 +189,14 @@ class AgentContext:
         messages = [m for m, _, _ in results]
         messages += [Message("tool", e.message, name="error") for e in parsed.errors]
         malformed = (MALFORMED_CALL,) * len(parsed.errors)
+        names = [c.name if c.name in self.tools else UNKNOWN_TOOL for c in parsed.calls]
         return ToolOutcome(
             messages=tuple(messages), num_calls=len(parsed.calls) + len(parsed.errors),
             num_errors=sum(1 for _, err, _ in results if err) + len(parsed.errors),
             num_timeouts=sum(1 for m, _, _ in results if m.content.startswith("Timeout:")),
             ends_trajectory=any(ends for _, _, ends in results), seconds=time.monotonic() - start,
-            tools=(*(c.name for c in parsed.calls), *malformed),
-            failed_tools=(*(c.name for c, (_, err, _) in zip(parsed.calls, results) if err),
-                          *malformed))
+            tools=(*names, *malformed),
+            failed_tools=(*(n for n, (_, err, _) in zip(names, results) if err), *malformed))
 
     async def _run_one(self, call: ToolCall) -> tuple[Message, bool, bool]:
         tool = self.tools.get(call.name)

@@ -83,8 +83,7 @@ class LoopWatchdog:
         self._beat = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._stop = threading.Event()
-        self._heartbeat: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None  # held: a task nothing refers to can be collected
         self.thread: threading.Thread | None = None  # the watching thread, once started
 
     def start(self) -> None:
@@ -98,11 +97,6 @@ class LoopWatchdog:
         self.thread = threading.Thread(target=self._watch, name="sluice-loop-watchdog", daemon=True)
         self.thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-
     async def _beats(self) -> None:
         while True:
             self._beat = time.monotonic()
@@ -112,7 +106,8 @@ class LoopWatchdog:
         stall: _Stall | None = None
         loop = self._loop
         assert loop is not None
-        while not self._stop.wait(self.probe_s):
+        while True:
+            time.sleep(self.probe_s)
             if loop.is_closed():  # the worker's loop is gone (asyncio.run ended): so is the watch
                 return
             now = time.monotonic()

@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True, slots=True)
 class WorkerStats:
     num_running: int  # trajectories in flight

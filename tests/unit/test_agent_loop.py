@@ -142,19 +142,22 @@ async def test_tool_calls_run_and_observations_are_appended(tokenizer):
     assert check_continuity(tokenizer, msgs, schemas, group.trajectories[0].input_ids().tolist()) is None
 
 
-@pytest.mark.parametrize("reply, expected", [
-    ("<tool_call>\n{not json}\n</tool_call>", "Tool call 1"),
-    (call("nope", x=1), "unknown tool 'nope'"),
-    (call("echo", text=3), "argument 'text' must be string"),
-    (call("echo", text="boom"), "echo failed: RuntimeError: echo exploded"),
-    (call("echo", text="slow"), "Timeout: echo did not finish within 0.5 s"),
-    (call("echo", text="a") + call("echo", text="b") + call("echo", text="c"), "at most 2"),
+@pytest.mark.parametrize("reply, expected, failed_tools", [
+    ("<tool_call>\n{not json}\n</tool_call>", "Tool call 1", ("(malformed)",)),
+    (call("nope", x=1), "unknown tool 'nope'", ("(unknown)",)),  # a made-up name adds no key
+    (call("echo", text=3), "argument 'text' must be string", ("echo",)),
+    (call("echo", text="boom"), "echo failed: RuntimeError: echo exploded", ("echo",)),
+    (call("echo", text="slow"), "Timeout: echo did not finish within 0.5 s", ("echo",)),
+    (call("echo", text="a") + call("echo", text="b") + call("echo", text="c"), "at most 2",
+     ("(malformed)",)),
 ])
-async def test_bad_calls_and_failing_tools_become_observations(tokenizer, reply, expected):
+async def test_bad_calls_and_failing_tools_become_observations(tokenizer, reply, expected,
+                                                               failed_tools):
     worker, engine = make_worker(tokenizer, [reply, "done"])
     traj = await worker.run_trajectory(TASK, "g", 0)
     assert traj.termination is TerminationReason.FINISHED
     assert traj.turns[0].num_tool_errors >= 1
+    assert traj.turns[0].failed_tool_names == failed_tools  # per-tool metrics
     assert expected in tokenizer.decode(traj.response_ids.tolist())
     assert worker.stats().num_tool_errors >= 1
     assert_continuity(tokenizer, traj, engine)

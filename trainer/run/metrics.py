@@ -241,11 +241,15 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
         out[f"rollout/tool_errors/{name}"] = float(failed[name])
     for name in sorted({k for t in samples for k in t.reward_components}):
         values = [t.reward_components.get(name, 0.0) for t in samples]
-        # Findings, failures and grading paths (graded_by_<path>, graded_in_image) are
-        # counts (how many trajectories); scores are means.
-        counted = name.startswith(("hack_", "graded_")) or name in ("reward_error", "timeout")
-        out[f"reward/{name}"] = float(np.sum(values) if counted else np.mean(values))
+        out[f"reward/{name}"] = float(np.sum(values) if is_counted_component(name) else np.mean(values))
     return out
+
+
+def is_counted_component(name: str) -> bool:
+    """Reward components sluice adds of its own, logged as counts (how many trajectories):
+    findings, failures and grading paths (graded_by_<path>, graded_in_image). Every other
+    component is a score of the reward function, logged as its mean."""
+    return name.startswith(("hack_", "graded_")) or name in ("reward_error", "timeout")
 
 
 def compute_hit_rate(trajs: Sequence[Trajectory]) -> float:
