@@ -337,16 +337,10 @@ def build_runner_tasks(out_dir: str, images: bool = False, python: str = "/usr/b
 
 def _with_image(row: dict, repo: str, out_dir: str) -> dict:
     from envs.sandbox.engine import detect_engine
-    from envs.tasks.images import build_task_image, ensure_project_image, swe_smith_image_name
-    from envs.tasks.swe import export_base_snapshot
+    from envs.tasks.images import ImageSpec, build_image_for
 
-    engine = detect_engine()
-    project_image = ensure_project_image(engine, "minitext", ())
-    testbed = export_base_snapshot(repo, row["base_commit"], os.path.join(out_dir, "testbeds"),
-                                   row["instance_id"])
-    name = build_task_image(engine, project_image, swe_smith_image_name(REPO, row["base_commit"]),
-                            testbed)
-    return {**row, "image": name, "workdir": WORKDIR}
+    spec = ImageSpec(row["instance_id"], REPO, row["base_commit"], repo, "minitext")
+    return {**row, "image": build_image_for(detect_engine(), spec, out_dir), "workdir": WORKDIR}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,18 +288,11 @@ def with_image(row: dict, repo: str, project: Project, out_dir: str, archive: bo
     """`row` as an image-only row: its task's image built (the repository at its base
     commit at /testbed) and named in `image_name`."""
     from envs.sandbox.engine import detect_engine
-    from envs.tasks.images import (build_task_image, ensure_project_image, save_archive,
-                                   swe_smith_image_name)
-    from envs.tasks.swe import export_base_snapshot
+    from envs.tasks.images import ImageSpec, build_image_for
 
-    engine = detect_engine()
-    project_image = ensure_project_image(engine, project.package, project.requirements)
-    testbed = export_base_snapshot(repo, row["base_commit"], os.path.join(out_dir, "testbeds"),
-                                   row["instance_id"])
-    name = build_task_image(engine, project_image, swe_smith_image_name(
-        project.repo, row["base_commit"]), testbed)
-    if archive:
-        save_archive(engine, name)
+    spec = ImageSpec(row["instance_id"], project.repo, row["base_commit"], repo,
+                     project.package, project.requirements)
+    name = build_image_for(detect_engine(), spec, out_dir, archive=archive)
     return {**row, "image_name": name, "workdir": WORKDIR}
 
 

@@ -17,25 +17,46 @@ for a project, the commit for a task): an image whose tag exists is not rebuilt,
 root filesystems and dependency folders are cached under $SLUICE_CACHE_DIR/images. Images
 live in podman's storage and, with `save_archive`, as `podman save` archives that
 envs.sandbox.images.prewarm_images loads on other sandbox nodes; none is committed.
+
+Images for a user's own SWE-style rows (docs/tasks.md, "Images for your own rows"):
+
+    python -m envs.tasks.images build ROWS.jsonl [--out DIR] [--archive]
+
+reads each row's instance_id, repo (or repo_name), base_commit (or commit_hash), optional
+`requirements` (pinned pip requirements: the project layer) and `repo_dir` (the local
+repository; default repos/<owner>__<name> beside the rows), checks every row first (all
+problems listed, exit 2, nothing built), builds each task's image with `build_image_for`
+(the bundled builders' path too) and writes DIR/tasks.jsonl: the rows as image-only rows
+(`image_name`, `"workdir": "/testbed"`).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
 
 from envs.cache import build_once, default_cache_dir
 from envs.sandbox import engine as engines
 from envs.sandbox.images import archive_name, default_archive_dir
+from envs.tasks.rows import Row, RowRef, get_str, get_str_list, read_rows
+from envs.tasks.swe import (IMAGE_WORKDIR, aliased_field, export_base_snapshot, find_repo_dir,
+                            resolve_commit)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BUILDER_VERSION = "1"  # bump when the recipe of the base changes
 PROJECT_LAYER_VERSION = "2"  # ... of a project's layer (2: shared libraries its wheels load)
@@ -187,12 +208,18 @@ def ensure_project_image(engine: engines.ContainerEngine, project: str,
     return tag
 
 
+def unpinned(requirements: Iterable[str]) -> list[str]:
+    """The requirements a project layer cannot take: each must pin one version (name==x),
+    since the layer is keyed by them."""
+    return [r for r in requirements if "==" not in r]
+
+
 def _pip_install(requirements: tuple[str, ...], dest: str) -> None:
-    unpinned = [r for r in requirements if "==" not in r]
     if not requirements:
         return  # a project without dependencies: an empty layer
-    if unpinned:
-        raise ValueError(f"image requirements must be pinned (name==version): {unpinned}")
+    if unpinned(requirements):
+        raise ValueError(f"image requirements must be pinned (name==version): "
+                         f"{unpinned(requirements)}")
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile",
                     "--disable-pip-version-check", "--target", dest, *requirements], check=True)
 
@@ -241,3 +268,156 @@ def swe_smith_image_name(repo: str, commit: str) -> str:
     """SWE-smith's image name for `repo` (owner/name) at `commit`, in local storage."""
     owner, name = repo.split("/", 1)
     return f"localhost/swesmith.x86_64.{owner}_1776_{name}.{commit[:8]}".lower()
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpec:
+    """What one task's image is built from."""
+
+    instance_id: str
+    repo: str  # owner/name: names the image (SWE-smith's naming)
+    base_commit: str  # the commit whose tree goes to /testbed
+    repo_dir: str  # the local repository (or snapshot folder) holding it
+    project: str  # names the project layer (lowercase letters, digits, . _ -)
+    requirements: tuple[str, ...] = ()  # pinned: the project layer's pip install
+
+
+def build_image_for(engine: engines.ContainerEngine, spec: ImageSpec, work_dir: str, *,
+                    archive: bool = False) -> str:
+    """The task image of `spec` (base, project layer, the repository at its base commit
+    at /testbed), built unless present; its exported tree is kept under
+    `work_dir`/testbeds. `archive`: also `podman save`d where prewarm looks."""
+    project_image = ensure_project_image(engine, spec.project, spec.requirements)
+    testbed = export_base_snapshot(spec.repo_dir, spec.base_commit,
+                                   os.path.join(work_dir, "testbeds"), spec.instance_id)
+    name = build_task_image(engine, project_image,
+                            swe_smith_image_name(spec.repo, spec.base_commit), testbed)
+    if archive:
+        save_archive(engine, name)
+    return name
+
+
+# --- python -m envs.tasks.images build ROWS.jsonl ----------------------------------------
+
+def image_spec_from_row(ref: RowRef, row: Row) -> tuple[ImageSpec | None, list[str]]:
+    """The ImageSpec of one user row, or every problem it has (each naming the field and
+    the fix)."""
+    problems: list[str] = []
+
+    def read(fn: Callable[[], T]) -> T | None:  # a field's value, or its problem kept
+        try:
+            return fn()
+        except ValueError as exc:
+            problems.append(str(exc))
+            return None
+
+    instance_id = read(lambda: get_str(ref, row, "instance_id", required=True))
+    repo = read(lambda: aliased_field(ref, row, "repo"))
+    if repo is None and "repo" not in row and "repo_name" not in row:
+        problems.append(str(ref.error("repo", "is required: the repository as owner/name "
+                                      "(R2E-Gym rows: repo_name)")))
+    elif repo is not None and repo.count("/") != 1:
+        problems.append(str(ref.error("repo", f"must be owner/name, got {repo!r}")))
+        repo = None
+    commit = read(lambda: aliased_field(ref, row, "base_commit"))
+    if commit is None and "base_commit" not in row and "commit_hash" not in row:
+        problems.append(str(ref.error("base_commit", "is required: the commit whose tree the "
+                                      "image holds at /testbed (R2E-Gym rows: commit_hash)")))
+    requirements = read(lambda: get_str_list(ref, row, "requirements")) or ()
+    if unpinned(requirements):
+        problems.append(str(ref.error("requirements", f"{unpinned(requirements)} must pin one "
+                                      "version each (name==version): the project layer is "
+                                      "keyed by them")))
+    repo_dir = None
+    if repo is not None or "repo_dir" in row:
+        repo_dir = read(lambda: find_repo_dir(ref, row))
+    if repo_dir is not None and commit is not None:
+        try:  # the full id (as given for a plain snapshot folder)
+            commit = resolve_commit(repo_dir, commit) or commit
+        except ValueError as exc:
+            problems.append(str(ref.error("base_commit", str(exc))))
+    if problems:
+        return None, problems
+    assert instance_id and repo and commit and repo_dir
+    project = re.sub(r"[^a-z0-9._-]+", "-", repo.split("/", 1)[1].lower()).strip(".-_") or "project"
+    return ImageSpec(instance_id, repo, commit, repo_dir, project, tuple(requirements)), []
+
+
+def read_image_rows(path: str) -> tuple[list[tuple[Row, ImageSpec]], list[str]]:
+    """Every row of `path` with its ImageSpec, and every problem of every row (a row that
+    is not JSON, a missing or bad field, an instance id used twice)."""
+    specs: list[tuple[Row, ImageSpec]] = []
+    problems: list[str] = []
+    seen: dict[str, int] = {}
+    try:
+        for ref, row in read_rows(path, on_error=lambda exc: problems.append(str(exc))):
+            spec, row_problems = image_spec_from_row(ref, row)
+            problems.extend(row_problems)
+            if spec is None:
+                continue
+            if spec.instance_id in seen:
+                problems.append(str(ref.error("instance_id", f"{spec.instance_id!r} is also row "
+                                              f"{seen[spec.instance_id]}'s; ids must be unique")))
+            seen[spec.instance_id] = ref.row
+            specs.append((row, spec))
+    except ValueError as exc:  # the file itself
+        problems.append(str(exc))
+    if not specs and not problems:
+        problems.append(f"{path} holds no rows; write one JSON object per line")
+    return specs, problems
+
+
+def build_images(path: str, out_dir: str, *, archive: bool = False) -> str:
+    """The images of every row of `path`, and `out_dir`/tasks.jsonl with the rows as
+    image-only rows; ValueError listing every problem of the rows (nothing built)."""
+    specs, problems = read_image_rows(path)
+    if problems:
+        raise ValueError(f"{len(problems)} problem(s) in {path}, nothing was built:\n  "
+                         + "\n  ".join(problems))
+    engine = engines.detect_engine()
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    for i, (row, spec) in enumerate(specs, 1):
+        start = time.monotonic()
+        name = build_image_for(engine, spec, out_dir, archive=archive)
+        log.info("image %d/%d: %s -> %s (%.1f s)", i, len(specs), spec.instance_id, name,
+                 time.monotonic() - start)
+        image_only = {k: v for k, v in row.items() if k != "repo_dir"}
+        rows.append({**image_only, "image_name": name, "workdir": IMAGE_WORKDIR})
+    out = os.path.join(out_dir, "tasks.jsonl")
+    with open(out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m envs.tasks.images",
+                                     description="Per-task container images for SWE-style rows.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser(
+        "build", help="build each row's image (base, project layer, repository at /testbed)",
+        description="Build each row's image: the base, a project layer with the row's pinned "
+        "`requirements`, the repository (repo_dir, default repos/<owner>__<name> beside the "
+        "rows) at base_commit at /testbed. Writes OUT/tasks.jsonl: the rows as image-only rows.")
+    build.add_argument("rows", help="a .jsonl file of SWE-style rows")
+    build.add_argument("--out", help="where tasks.jsonl and the exported trees go "
+                       "(default: ./<ROWS name>.images)")
+    build.add_argument("--archive", action="store_true",
+                       help="also `podman save` each image where prewarm loads it on other nodes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    stem = os.path.splitext(os.path.basename(args.rows))[0]
+    out_dir = args.out or os.path.abspath(f"{stem}.images")
+    start = time.monotonic()
+    try:
+        out = build_images(args.rows, out_dir, archive=args.archive)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"rows with their images: {out} ({time.monotonic() - start:.1f} s); train on them with "
+          f"envs.tasks={out} envs.sandbox_backend=container")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,8 @@ Row fields (SWE-bench's names; others such as the gold `patch`, `hints_text`, `v
                <task file folder>/repos/<repo with '/' as '__'>
     tools      optional tool names (default SWE_TOOLS)
     workdir    where the image keeps the repository (image-only rows; default /testbed)
+    requirements   pinned pip requirements of the row's image (read only by
+               `python -m envs.tasks.images build`, which builds it)
     test_cmd / eval_script, log_parser   rows graded by the repository's own runner: the
                command (ours, or the lines between SWE-bench 5.x's eval_script markers)
                and the swebench parser of its output (default: swebench's parser of `repo`)
@@ -70,7 +72,8 @@ def is_swe_row(row: Row) -> bool:
     return "problem_statement" in row and ("instance_id" in row or "docker_image" in row)
 
 
-def _alias(ref: RowRef, row: Row, name: str) -> str | None:
+def aliased_field(ref: RowRef, row: Row, name: str) -> str | None:
+    """The value of the first of `name`'s FIELD_ALIASES that the row has."""
     for field in FIELD_ALIASES[name]:
         value = get_str(ref, row, field)
         if value is not None:
@@ -110,7 +113,7 @@ def _runner(ref: RowRef, row: Row) -> tuple[str | None, str | None]:
             raise ref.error("log_parser", "needs the test command (test_cmd or eval_script)")
         return None, None
     if parser is None:
-        repo = _alias(ref, row, "repo")
+        repo = aliased_field(ref, row, "repo")
         try:  # deferred: only rows graded through swebench's parsers need the package
             from swebench.harness.log_parsers.python import MAP_REPO_TO_PARSER_PY
         except ImportError:
@@ -124,7 +127,7 @@ def _runner(ref: RowRef, row: Row) -> tuple[str | None, str | None]:
 
 
 def swe_task_from_row(ref: RowRef, row: Row, cache_dir: str) -> Task:
-    image = _alias(ref, row, "image")
+    image = aliased_field(ref, row, "image")
     # R2E-Gym rows have no instance id: their image names the instance.
     instance_id = get_str(ref, row, "instance_id", required="docker_image" not in row) or image
     problem = get_str(ref, row, "problem_statement", required=True)
@@ -140,10 +143,10 @@ def swe_task_from_row(ref: RowRef, row: Row, cache_dir: str) -> Task:
     if workdir is not None and (image is None or not workdir.startswith("/")):
         raise ref.error("workdir", "is the absolute path of the repository inside the row's "
                         "image (e.g. /testbed); it needs image_name / docker_image")
-    repo_dir = None if workdir is not None else _repo_dir(ref, row, optional=image is not None)
+    repo_dir = None if workdir is not None else find_repo_dir(ref, row, optional=image is not None)
     if repo_dir is None and image is not None:
         workdir = workdir or IMAGE_WORKDIR
-    base_commit = _alias(ref, row, "base_commit")
+    base_commit = aliased_field(ref, row, "base_commit")
     source = None
     if repo_dir is not None:
         try:
@@ -167,12 +170,12 @@ def swe_task_from_row(ref: RowRef, row: Row, cache_dir: str) -> Task:
         raise ref.error(None, str(exc)) from None
 
 
-def _repo_dir(ref: RowRef, row: Row, optional: bool = False) -> str | None:
+def find_repo_dir(ref: RowRef, row: Row, optional: bool = False) -> str | None:
     """The local repository folder; None for an image-only row (`optional`) that names
     none and has none at the default place."""
     value = get_str(ref, row, "repo_dir")
     if value is None:
-        repo = _alias(ref, row, "repo")
+        repo = aliased_field(ref, row, "repo")
         if repo is None:
             if optional:
                 return None
@@ -209,20 +212,29 @@ def is_git_repo(path: str) -> bool:
     return os.path.realpath(top) == os.path.realpath(path)
 
 
+def resolve_commit(repo_dir: str, base_commit: str | None) -> str | None:
+    """The full id of `base_commit` in the git repository `repo_dir`; None when
+    `repo_dir` is a plain snapshot folder (exported as it is). ValueError says what to
+    fix: no base commit given, or one the repository does not hold."""
+    if not is_git_repo(repo_dir):
+        return None
+    if not base_commit:
+        raise ValueError(f"{repo_dir} is a git repository: give the base_commit to export")
+    try:
+        return _git(["rev-parse", "--verify", "--quiet", f"{base_commit}^{{commit}}"],
+                    repo_dir).strip()
+    except ValueError:
+        raise ValueError(f"{base_commit!r} is not a commit of {repo_dir}; fetch it there "
+                         "or fix base_commit") from None
+
+
 def export_base_snapshot(repo_dir: str, base_commit: str | None, cache_dir: str,
                          name: str) -> str:
     """A folder holding `repo_dir` at `base_commit` as a fresh one-commit repository (see
     the module docstring), built once under `cache_dir`."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
-    if is_git_repo(repo_dir):
-        if not base_commit:
-            raise ValueError(f"{repo_dir} is a git repository: give the base_commit to export")
-        try:
-            commit = _git(["rev-parse", "--verify", "--quiet", f"{base_commit}^{{commit}}"],
-                          repo_dir).strip()
-        except ValueError:
-            raise ValueError(f"{base_commit!r} is not a commit of {repo_dir}; fetch it there "
-                             "or fix base_commit") from None
+    commit = resolve_commit(repo_dir, base_commit)
+    if commit is not None:
         dest = os.path.join(cache_dir, "swe", f"{safe}-{commit[:16]}")
         return build_once(dest, lambda tmp: _export_commit(repo_dir, commit, tmp))
     dest = os.path.join(cache_dir, "swe", f"{safe}-{_folder_digest(repo_dir)}")

@@ -38,8 +38,7 @@ def calc_image_row(tmp: Path, repo_name: str, project: str,
     /testbed) on the project layer `requirements`; the rows file, the row, the engine."""
     sandbox_factory("container")  # skips without root, bubblewrap or a working podman
     from envs.sandbox.engine import detect_engine
-    from envs.tasks.images import build_task_image, ensure_project_image, swe_smith_image_name
-    from envs.tasks.swe import export_base_snapshot
+    from envs.tasks.images import ImageSpec, build_image_for
 
     repo = tmp / "src"
     base = calc_repo(repo)
@@ -47,9 +46,8 @@ def calc_image_row(tmp: Path, repo_name: str, project: str,
     gold = run_git(repo, "diff")
     run_git(repo, "checkout", "calc.py")
     engine = detect_engine()
-    testbed = export_base_snapshot(str(repo), base, str(tmp / "testbeds"), "calc")
-    image = build_task_image(engine, ensure_project_image(engine, project, requirements),
-                             swe_smith_image_name(repo_name, base), testbed)
+    image = build_image_for(engine, ImageSpec("calc", repo_name, base, str(repo), project,
+                                              requirements), str(tmp))
     row = {"instance_id": f"{repo_name.replace('/', '__')}.1", "repo": repo_name,
            "base_commit": base, "patch": gold, "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
            "PASS_TO_PASS": ["tests/test_calc.py::test_mul"], "image_name": image,

@@ -70,6 +70,8 @@ SYNOPSES = {
         "OUT_DIR: a new folder; [optional parts]",
     "python -m reward.validate OUT_DIR/tasks.jsonl --workers 2 --repeat 2 --out OUT_DIR/valid.jsonl":
         "OUT_DIR: the folder the line above builds",
+    "python -m envs.tasks.images build ROWS.jsonl [--out DIR] [--archive]":
+        "the image builder's synopsis: ROWS, [optional parts]",
 }
 
 NOT_HERE = {
@@ -86,6 +88,12 @@ NOT_HERE = {
     "python -m launch.simulate recipe=swe_grpo.yaml rollout.num_engines=32 rollout.tp_size=1 plan.train_gpus=32 "
     "plan.model_params_b=8 plan.kv_bytes_per_token=131072 plan.prompt_tokens=0 --steps 2 --mode async --tail none "
     "--json": "two steps at the seed's scale: minutes (the README's 1/20 run covers the same command line)",
+    "python -m envs.tasks.images build rows.jsonl --out calc_images":
+        "the example row's repository is the reader's; tests/integration/test_images_cli.py builds such a row",
+    "python -m reward.validate calc_images/tasks.jsonl --out calc_images/valid.jsonl":
+        "grades the images the line above builds (tests/integration/test_image_tasks.py validates image rows)",
+    "python -m trainer.main recipe=swe_mini.yaml envs.tasks=calc_images/tasks.jsonl":
+        "trains on the images the lines above build",
     "python -m trainer.main recipe=swe_mini.yaml": "its checks build the podman images of swe_smith_images on "
                                                    "first use (minutes); tests/integration/test_swe_mini.py runs it",
 }
