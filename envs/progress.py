@@ -8,12 +8,16 @@ on a terminal and in a log file, and never flood either).
         for _ in range(500):
             ...
             p.advance()
+
+Each build is also recorded (`recorded_builds`): a run writes those of its process into
+events.jsonl, so the run report labels the time they took in its timeline.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -22,16 +26,36 @@ log = logging.getLogger(__name__)
 EVERY_S = 15.0  # how often a long build says how far it is
 
 
+@dataclass(frozen=True, slots=True)
+class BuildRecord:
+    """One first-use build this process ran."""
+
+    what: str
+    where: str  # where its result is cached
+    t0: float  # unix seconds
+    t1: float
+    ok: bool  # False: it failed (nothing was cached)
+
+
+_BUILDS: list[BuildRecord] = []  # this process's builds, oldest first
+
+
+def recorded_builds() -> list[BuildRecord]:
+    """The first-use builds this process has run so far, oldest first."""
+    return list(_BUILDS)
+
+
 class FirstUse:
     def __init__(self, what: str, where: str | Path, *, total: int | None = None,
                  unit: str = "steps", every_s: float = EVERY_S) -> None:
         self.what, self.where, self.total, self.unit = what, where, total, unit
         self.every_s = every_s
         self.done = 0
-        self._start = self._said = 0.0
+        self._start = self._said = self._started_at = 0.0
 
     def __enter__(self) -> FirstUse:
         self._start = self._said = time.monotonic()
+        self._started_at = time.time()
         size = f" ({self.total} {self.unit})" if self.total else ""
         log.info("building %s%s: first use, cached in %s for later runs", self.what, size,
                  self.where)
@@ -54,6 +78,8 @@ class FirstUse:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         elapsed = time.monotonic() - self._start
+        _BUILDS.append(BuildRecord(self.what, str(self.where), self._started_at,
+                                   self._started_at + elapsed, kind is None))
         if kind is None:
             log.info("built %s in %.1f s (%s)", self.what, elapsed, self.where)
         else:

@@ -17,8 +17,11 @@ seconds; `t0` is unix time in a run and the virtual clock in a trace. Optional f
 reader already understands: on turns `sandbox` (id);
 a fourth kind `{"kind": "drop", "step", "group", "task", "reason", "staleness",
 "trajectories", "turns" (the most of its trajectories), "tokens" (its longest response)}`
-for a group the buffer dropped. Unknown kinds and fields are ignored, so writers can add
-them first.
+for a group the buffer dropped; and the run's start, which the timeline labels:
+`{"kind": "phase", "name", "t0", "t1"}` (loading tasks, the model, starting the engines)
+and `{"kind": "first_use", "what", "where", "t0", "t1", "ok"}` (a build that happens once
+and is cached: the tiny model, a warm start, a task set). Unknown kinds and fields are
+ignored, so writers can add them first.
 """
 
 from __future__ import annotations
@@ -92,15 +95,28 @@ class DropEvent:
     tokens: float | None  # its longest response, in tokens
 
 
+@dataclass(frozen=True, slots=True)
+class SpanEvent:
+    """A stretch of the run's start the timeline labels: a phase, or a first-use build."""
+
+    kind: str  # "phase" or "first_use"
+    label: str  # the phase's name, or what was built
+    t0: float
+    t1: float
+    detail: str  # where a build is cached (and that it failed); "" for a phase
+
+
 @dataclass(slots=True)
 class Events:
     turns: list[TurnEvent] = field(default_factory=list)
     pushes: list[PushEvent] = field(default_factory=list)
     steps: list[StepEvent] = field(default_factory=list)
     drops: list[DropEvent] = field(default_factory=list)
+    spans: list[SpanEvent] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.turns) + len(self.pushes) + len(self.steps) + len(self.drops)
+        return (len(self.turns) + len(self.pushes) + len(self.steps) + len(self.drops)
+                + len(self.spans))
 
 
 @dataclass(slots=True)
@@ -245,9 +261,23 @@ def _drop(row: Row) -> DropEvent:
                      turns=_number(row.get("turns")), tokens=_number(row.get("tokens")))
 
 
+def _span(row: Row) -> SpanEvent:
+    kind = str(row["kind"])
+    t0, t1 = _require_float(row, "t0"), _require_float(row, "t1")
+    if t1 < t0:
+        raise _BadEvent(f"{kind} event ending before it starts")
+    if kind == "phase":
+        return SpanEvent(kind, _require_str(row, "name"), t0, t1, "")
+    where = row.get("where")
+    detail = f"cached in {where}" if isinstance(where, str) and where else ""
+    if row.get("ok") is False:
+        detail = "failed, nothing cached" + (f" ({where})" if detail else "")
+    return SpanEvent(kind, _require_str(row, "what"), t0, t1, detail)
+
+
 # kind -> (parser, the Events list it goes to)
 _PARSERS = {"turn": (_turn, "turns"), "push": (_push, "pushes"), "step": (_step, "steps"),
-            "drop": (_drop, "drops")}
+            "drop": (_drop, "drops"), "phase": (_span, "spans"), "first_use": (_span, "spans")}
 
 
 def read_events(path: Path, problems: list[str]) -> Events:

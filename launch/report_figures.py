@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from buffer.replay_buffer import LENGTH_EDGES, length_bucket
-from launch.report_data import (Events, Series, TrajectorySpan, TurnEvent, is_reward_component,
-                                trajectories_by_step)
+from launch.report_data import (Events, Series, SpanEvent, TrajectorySpan, TurnEvent,
+                                is_reward_component, trajectories_by_step)
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
 QUEUE_COLOR, TOOL_COLOR, ERROR_COLOR, PUSH_COLOR = "#b8b8b8", "#f28e2b", "#d62728", "#e0245e"
+SPAN_COLORS = {"phase": "#9db4c0", "first_use": "#f6c85f"}  # start-up parts, first-use builds
 MAX_BOXES = 20  # per-task / per-tool panels show the busiest this many
 VERSION_SCALE = "Viridis"
 K = TypeVar("K", int, str)
@@ -180,6 +181,34 @@ def _push_marks(events: Events, origin: float, top: float,
                                hovertext=texts, hoverinfo="text")]
 
 
+def _span_marks(spans: Sequence[SpanEvent], origin: float, top: float,
+                ) -> tuple[list[dict[str, object]], list[dict[str, object]], list[go.Scatter]]:
+    """Shapes (a band over each phase of the start and each first-use build, builds on
+    top), their labels, and hoverable markers above them."""
+    import plotly.graph_objects as go
+
+    shapes: list[dict[str, object]] = []
+    labels: list[dict[str, object]] = []
+    traces = []
+    for kind, name in (("phase", "start-up phase"), ("first_use", "first-use build (cached after)")):
+        mine = [b for b in spans if b.kind == kind]
+        for b in mine:
+            x0, x1 = b.t0 - origin, max(b.t1 - origin, b.t0 - origin + 1e-3)
+            shapes.append(dict(type="rect", x0=x0, x1=x1, y0=0, y1=1, yref="paper", line_width=0,
+                               fillcolor=SPAN_COLORS[kind], opacity=0.3 if kind == "phase" else 0.45,
+                               layer="below"))
+            labels.append(dict(x=(x0 + x1) / 2, y=1, yref="paper", yanchor="top", textangle=-90,
+                               showarrow=False, font=dict(size=10, color="#333"),
+                               text=("first use: " if kind == "first_use" else "") + b.label))
+        if mine:
+            traces.append(go.Scatter(
+                x=[(b.t0 + b.t1) / 2 - origin for b in mine], y=[top] * len(mine), mode="markers",
+                name=name, marker=dict(symbol="square", size=9, color=SPAN_COLORS[kind]),
+                hoverinfo="text", hovertext=[f"{name}: {b.label}<br>{b.t1 - b.t0:.1f} s"
+                                             + (f"<br>{b.detail}" if b.detail else "") for b in mine]))
+    return shapes, labels, traces
+
+
 def _bar_traces(parts: dict[str, _BarColumns], versions: Sequence[int]) -> list[go.Bar | go.Scatter]:
     """The queue / generate / tool bars, and an empty trace that carries the version
     colour bar. Versions are mapped to colours here: plotly's bars accept numbers with a
@@ -232,7 +261,7 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
     rows = pack_lanes(spans, row_of)
     slow = {(s.step, s.traj) for s in slowest_spans(spans_by_step, slowest_per_step)}
     origin = min([u.t0 for u in events.turns] + [p.t0 for p in events.pushes]
-                 + [s.t0 for s in events.steps])
+                 + [s.t0 for s in events.steps] + [b.t0 for b in events.spans])
     versions = [u.version for u in turns if u.version is not None] or [0]
     lanes = sum(n for _, _, n in rows.bands)
     # x stays seconds since the run's first event; a window shows its steps' pushes and
@@ -241,14 +270,23 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
     shown = Events(pushes=[p for p in events.pushes
                            if p.step in keep or start <= p.t0 + p.prepare_s <= end])
     end = max([end] + [p.t0 + p.prepare_s + p.gates_closed_s for p in shown.pushes])
+    # The start's phases and first-use builds: those inside the window, and those before
+    # it when it holds the first step (the gap before the first turn, labelled).
+    has_first_step = steps[0] == min(u.step for u in events.turns)
+    bands = [b for b in events.spans if b.t0 <= end and (b.t1 >= start or has_first_step)]
+    start = min([start] + [b.t0 for b in bands])
+    end = max([end] + [b.t1 for b in bands])
     pad = 0.02 * (end - start) + 0.1
     shapes, marks = _push_marks(shown, origin, lanes + 0.5)
+    band_shapes, labels, band_marks = _span_marks(bands, origin, lanes + 0.5)
+    shapes = band_shapes + shapes
+    marks += band_marks
     shapes += [dict(type="line", x0=0, x1=1, xref="paper", y0=first - 0.5, y1=first - 0.5,
                     line=dict(color="#444", width=1)) for _, first, _ in rows.bands[1:]]
     fig = go.Figure(_bar_traces(_segments(turns, rows.lane_of, origin, slow), versions) + marks)
     label = "engine" if by == "engine" else "sandbox"
     _layout(fig, f"Trajectory timeline by {label}", height=min(max(140 + 12 * lanes, 420), 1600),
-            barmode="overlay", bargap=0.1, shapes=shapes,
+            barmode="overlay", bargap=0.1, shapes=shapes, annotations=labels,
             xaxis=dict(title="seconds since the run's first event", zeroline=False,
                        range=[start - origin - pad, end - origin + pad]),
             yaxis=dict(tickvals=[first + (n - 1) / 2 for _, first, n in rows.bands],
@@ -258,8 +296,10 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
                "are queue (grey), generate (coloured by the policy version that produced "
                "it), tool (orange, red with errors). Dotted red lines and bands: the turn "
                f"gates closed for a weight push. Black outlines: the {slowest_per_step} "
-               "slowest trajectories of each step (the ones that held it). Drag to zoom, "
-               "double-click to reset, hover for the turn." + note)
+               "slowest trajectories of each step (the ones that held it). Shaded bands: "
+               "the run's start (grey-blue: loading tasks, the model, starting engines and "
+               "pools) and first-use builds (amber: built once, cached for later runs). "
+               "Drag to zoom, double-click to reset, hover for the turn." + note)
     return Panel(f"timeline_{label}", f"Timeline by {label}", fig, caption)
 
 

@@ -156,6 +156,11 @@ def test_its_report_joins_its_events_and_renders(short_run: ShortRun):
         assert len({u.traj for u in turns}) == per_step
         assert sum(u.tokens for u in turns) == row["rollout/tokens_generated"]
     assert [p.version for p in run.events.pushes] == list(range(1, NUM_STEPS + 1))
+    # The start is on the timeline as labelled phases, before the first turn.
+    phases = [s for s in run.events.spans if s.kind == "phase"]
+    assert [s.label for s in phases] == ["load tasks", "model (and warm start)",
+                                         "start engines, sandbox pools, train ranks"]
+    assert phases[-1].t1 <= min(u.t0 for u in run.events.turns)
     assert main(["--latest", str(run_dir.parent)]) == 0  # what `make quickstart` runs
     page = run_dir / "report.html"
     expected = {p.key for p in build_part(run, ReportOptions()).panels}

@@ -61,3 +61,25 @@ def test_per_tool_counts_reach_the_metrics_and_the_turn_events():
     events, dropped = turn_events(1, [Group("t", "g", (traj,))], 10)
     assert dropped == 0 and events[0]["tools"] == ["price", "price", "(malformed)"]
     assert "tools" not in events[1]
+
+
+def test_startup_events_are_what_the_report_reads_back(tmp_path):
+    """The run's phase and first_use events, written by EventSink, read by the report as
+    labelled spans (the writer and the reader agree on the schema)."""
+    from envs.progress import BuildRecord
+    from launch.report_data import read_events
+    from trainer.run.metrics import EventSink, startup_events
+
+    events = startup_events([("load tasks", 10.0, 10.5), ("model (and warm start)", 10.5, 140.0)],
+                            [BuildRecord("the warm start", "/c/warm-1", 11.0, 139.0, True),
+                             BuildRecord("a task set", "/c/set", 5.0, 6.0, False)])
+    path = tmp_path / "events.jsonl"
+    EventSink(path, max_turns_per_step=10).write(events)
+    problems: list[str] = []
+    spans = read_events(path, problems).spans
+    assert problems == []
+    assert [(s.kind, s.label, s.t0, s.t1, s.detail) for s in spans] == [
+        ("phase", "load tasks", 10.0, 10.5, ""),
+        ("phase", "model (and warm start)", 10.5, 140.0, ""),
+        ("first_use", "the warm start", 11.0, 139.0, "cached in /c/warm-1"),
+        ("first_use", "a task set", 5.0, 6.0, "failed, nothing cached (/c/set)")]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from envs.cache import build_lock, build_once
-from envs.progress import FirstUse
+from envs.progress import FirstUse, recorded_builds
 
 
 def test_a_first_use_build_says_what_where_and_how_far(tmp_path, caplog):
@@ -50,3 +50,15 @@ def test_waiting_for_another_builder_is_said(tmp_path, caplog):
     thread.join()
     assert caplog.records[0].getMessage() == \
         f"waiting for another process to finish building {tmp_path / 'model'}"
+
+
+def test_each_build_is_recorded_for_the_run_report(tmp_path):
+    before = time.time()
+    with FirstUse("the tiny model", tmp_path / "tiny"):
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError), FirstUse("the task set", tmp_path / "set"):
+        raise RuntimeError("no disk")
+    *_, built, failed = recorded_builds()
+    assert (built.what, built.where, built.ok) == ("the tiny model", str(tmp_path / "tiny"), True)
+    assert before <= built.t0 and built.t1 - built.t0 >= 0.01 and built.t1 <= failed.t0
+    assert (failed.what, failed.ok) == ("the task set", False)

@@ -366,3 +366,72 @@ def test_the_reward_keys_docs_metrics_lists_as_the_trainers_own_are_not_componen
             assert not is_reward_component(re.sub(r"<[^>]+>", "x", key)), key
     assert all(is_reward_component(f"reward/{n}") for n in ("correct", "answered", "used_tools"))
     assert not is_reward_component("reward/std") and not is_reward_component("rollout/turns")
+
+
+def startup_rows(origin: float) -> list[dict]:
+    """The start of a run as trainer.run.system writes it: a first-use build during the
+    checks, the phases of the start, then the first turn at `origin` + 130."""
+    return [{"kind": "first_use", "what": "the warm start of tiny (4096 demonstrations)",
+             "where": "/cache/models/warm-1", "t0": origin, "t1": origin + 100.0, "ok": True},
+            {"kind": "first_use", "what": "the task set", "t0": origin + 100.0,
+             "t1": origin + 101.0, "ok": False},
+            {"kind": "phase", "name": "model (and warm start)", "t0": origin + 101.0,
+             "t1": origin + 102.0},
+            {"kind": "phase", "name": "start engines, sandbox pools, train ranks",
+             "t0": origin + 102.0, "t1": origin + 130.0}]
+
+
+def test_start_up_phases_and_first_use_builds_are_labelled_bands(tmp_path):
+    from launch.report_figures import SPAN_COLORS, build_timeline
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    bad = [{"kind": "phase", "name": "x", "t0": 5.0}, {"kind": "first_use", "t0": 1.0, "t1": 2.0},
+           {"kind": "phase", "name": "y", "t0": 5.0, "t1": 4.0}]
+    write_lines(folder / "events.jsonl", startup_rows(1000.0) + bad + [
+        turn(1, "g0/0", 1130.0, end="finished"),
+        {"kind": "step", "step": 1, "t0": 1130.0, "t1": 1132.0, "trainer_wait_s": 1.0}])
+    run = load_run(folder)
+    spans = run.events.spans
+    assert [(s.kind, s.label, s.t1 - s.t0) for s in spans] == [
+        ("first_use", "the warm start of tiny (4096 demonstrations)", 100.0),
+        ("first_use", "the task set", 1.0), ("phase", "model (and warm start)", 1.0),
+        ("phase", "start engines, sandbox pools, train ranks", 28.0)]
+    assert [s.detail for s in spans[:2]] == ["cached in /cache/models/warm-1",
+                                             "failed, nothing cached"]
+    text = "\n".join(run.problems)
+    assert "line 5: phase event without a number 't1'" in text
+    assert "line 6: first_use event without a string 'what'" in text
+    assert "line 7: phase event ending before it starts" in text
+
+    figure = build_timeline(run.events).figure
+    bands = [s for s in figure.layout.shapes if s.type == "rect"]
+    assert [(b.fillcolor, b.x0, b.x1) for b in bands] == [
+        (SPAN_COLORS["phase"], 101.0, 102.0), (SPAN_COLORS["phase"], 102.0, 130.0),
+        (SPAN_COLORS["first_use"], 0.0, 100.0), (SPAN_COLORS["first_use"], 100.0, 101.0)]
+    labels = [a.text for a in figure.layout.annotations]
+    assert labels == ["model (and warm start)", "start engines, sandbox pools, train ranks",
+                      "first use: the warm start of tiny (4096 demonstrations)",
+                      "first use: the task set"]
+    low, high = figure.layout.xaxis.range
+    assert low < 0 and high > 130.0  # the gap before the first turn is on the axis
+    marks = {t.name: t for t in figure.data if t.name and "first-use" in t.name}
+    assert "cached in /cache/models/warm-1" in marks["first-use build (cached after)"].hovertext[0]
+
+
+def test_a_window_of_later_steps_leaves_the_start_out(tmp_path):
+    from launch.report_figures import build_timeline
+
+    events = load_trace(write_trace(tmp_path / "sim.jsonl")).events
+    events.spans.extend(read_events(_rows_file(tmp_path, startup_rows(-200.0)), []).spans)
+    last = sum(1 for u in events.turns if u.step == 4)
+    whole = build_timeline(events).figure
+    window = build_timeline(events, max_turns=last).figure
+    assert len(whole.layout.annotations) == 4 and min(whole.layout.xaxis.range) < 0
+    assert len(window.layout.annotations) == 0 and min(window.layout.xaxis.range) > 200
+
+
+def _rows_file(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "start.jsonl"
+    write_lines(path, rows)
+    return path

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from envs.progress import BuildRecord
 from envs.types import Group, Trajectory
 from rollout.gateway.server import sum_gateway_stats
 from rollout.tool_parser import tool_parse_counts
@@ -168,6 +169,8 @@ class EventSink:
          "tool_errors", "tokens", "end" (the trajectory's termination, on its last turn)}
         {"kind": "push", "step", "version", "t0", "prepare_s", "gates_closed_s"}
         {"kind": "step", "step", "t0", "t1", "trainer_wait_s"}
+        {"kind": "phase", "name", "t0", "t1"}  (a part of the start: tasks, model, engines)
+        {"kind": "first_use", "what", "where", "t0", "t1", "ok"}  (envs.progress builds)
 
     At most `max_turns_per_step` turn events per step (the trained groups' turns, in
     order; the rest are counted in the step event as `turns_dropped`), so the file grows
@@ -182,6 +185,17 @@ class EventSink:
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in events)
+
+
+def startup_events(phases: Sequence[tuple[str, float, float]],
+                   builds: Sequence[BuildRecord]) -> list[dict[str, Any]]:
+    """The phase and first_use events of a run's start: (name, t0, t1) of each phase,
+    and the first-use builds its process ran (envs.progress.recorded_builds)."""
+    events: list[dict[str, Any]] = [{"kind": "phase", "name": name, "t0": round(t0, 4),
+                                     "t1": round(t1, 4)} for name, t0, t1 in phases]
+    events += [{"kind": "first_use", "what": b.what, "where": b.where, "t0": round(b.t0, 4),
+                "t1": round(b.t1, 4), "ok": b.ok} for b in builds]
+    return events
 
 
 def turn_events(step: int, groups: Sequence[Group], limit: int) -> tuple[list[dict[str, Any]], int]:

@@ -22,17 +22,19 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TypeVar
 
+from envs.progress import recorded_builds
 from envs.types import Task
 from trainer.run.config import SluiceConfig
 from trainer.run.seams import RolloutSide, TrainerSide
 from trainer.run.controller import Controller, EnvMetrics, RunSummary
 from trainer.run.metrics import (ConsoleSink, EventSink, JsonlSink, MetricsLogger, MetricsSink,
-                                 TranscriptSink, WandbSink)
+                                 TranscriptSink, WandbSink, startup_events)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,6 +112,21 @@ def build_sinks(cfg: SluiceConfig, run_dir: Path, resume_step: int | None) -> li
     if cfg.logging.console:
         sinks.append(ConsoleSink())
     return sinks
+
+
+@dataclasses.dataclass(slots=True)
+class StartupPhases:
+    """How long each part of a run's start took, for events.jsonl's phase events."""
+
+    spans: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
+
+    @contextmanager
+    def phase(self, name: str) -> Generator[None, None, None]:
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.spans.append((name, t0, time.time()))
 
 
 class StopSignals:
@@ -281,9 +298,12 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
 
     resolve_transport(cfg)
     run_dir = place.run_dir
-    tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
-    eval_tasks = load_tasks(cfg.eval.tasks)[:cfg.eval.num_tasks] if cfg.eval.tasks else []
-    model_path = await in_daemon_thread(resolve_model, cfg)
+    phases = StartupPhases()
+    with phases.phase("load tasks"):
+        tasks = load_tasks(cfg.envs.tasks, cfg.envs.task_format)
+        eval_tasks = load_tasks(cfg.eval.tasks)[:cfg.eval.num_tasks] if cfg.eval.tasks else []
+    with phases.phase("model (and warm start)"):
+        model_path = await in_daemon_thread(resolve_model, cfg)
     tokenizer = load_tokenizer(model_path)
     # The chat family, its parsers and keep_thinking against the model's own template,
     # before any engine starts: a mismatch would corrupt every trajectory's ids.
@@ -292,7 +312,9 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     parts: Parts | None = None
     try:
         try:
-            parts = await start_parts(cfg, model_path, task_images(cfg, [*tasks, *eval_tasks]))
+            with phases.phase("start engines, sandbox pools, train ranks"):
+                parts = await start_parts(cfg, model_path,
+                                          task_images(cfg, [*tasks, *eval_tasks]))
         except (ValueError, StartupError):  # their messages say what to change
             raise
         except Exception as exc:  # an engine, a pool or a worker that did not come up
@@ -300,10 +322,13 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
         (run_dir / "run_info.json").write_text(json.dumps(run_info(place.recipe), indent=1))
+        events = EventSink(run_dir / "events.jsonl", cfg.logging.max_turn_events_per_step)
+        # The report labels the start's parts and first-use builds (checks included).
+        events.write(startup_events(phases.spans, recorded_builds()))
         controller = Controller(
             cfg, tasks=tasks, rollout=parts.rollout, trainer=parts.trainer,
             logger=MetricsLogger([]), eval_tasks=eval_tasks, env_metrics=parts.env_metrics,
-            events=EventSink(run_dir / "events.jsonl", cfg.logging.max_turn_events_per_step),
+            events=events,
             transcripts=TranscriptSink(run_dir / "transcripts.jsonl", lambda ids: decode_text(tokenizer, ids),
                                        cfg.logging.num_transcripts_per_step))
         if place.resume_from is not None:
