@@ -28,6 +28,7 @@ EXIT_CONFIG = 2  # the recipe or what it names: nothing started, or starting fou
 EXIT_BREAKER = 3  # the circuit breaker: one failure repeated group after group
 EXIT_STARTUP = 4  # a part of the system did not start (Ray, a pool, an engine)
 EXIT_STOPPED = 130  # Ctrl-C or SIGTERM, before the start (nothing to resume) or after it
+STOPPED_BEFORE_START = "stopped before the run started; nothing to resume"
 
 USAGE = """usage: python -m trainer.main recipe=NAME.yaml [section.key=value ...] [--dry-run]
 
@@ -90,8 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # Checks first, so an error comes within seconds and before any report: plug-ins, task
     # rows, tools, the model folder, then the chat template (vLLM's parsers) once those pass.
-    models = check_models(cfg)  # context vs positions, TP vs heads, memory per rank and engine
-    problems = models.problems + validate_run(cfg) + _resume_problems(cfg, recipe)
+    try:
+        models = check_models(cfg)  # context vs positions, TP vs heads, memory per rank and engine
+        problems = (models.problems + validate_run(cfg, build_task_sets=not dry_run)
+                    + _resume_problems(cfg, recipe))
+    except KeyboardInterrupt:  # builds under way clean up after themselves (envs.cache)
+        print(f"\n{STOPPED_BEFORE_START}", file=sys.stderr)
+        return EXIT_STOPPED
     if problems:
         print(f"config error: {format_problems(problems)}", file=sys.stderr, flush=True)
     elif dry_run:
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_STARTUP
     except (KeyboardInterrupt, asyncio.CancelledError):
-        print("\nstopped before the run started; nothing to resume", file=sys.stderr)
+        print(f"\n{STOPPED_BEFORE_START}", file=sys.stderr)
         return EXIT_STOPPED
     except Exception:  # a bug (in sluice or a plug-in): the traceback says where
         traceback.print_exc()

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from envs.cache import default_cache_dir
 from envs.tasks.build_swe_smith import IMAGES_SET_NAME as SWE_IMAGES_SET
 from envs.tasks.build_swe_smith import SET_NAME as SWE_SMITH_SET
-from envs.tasks.build_swe_smith import build_bundled_image_set, build_bundled_set
+from envs.tasks.build_swe_smith import (build_bundled_image_set, build_bundled_set,
+                                        bundled_image_set_dir, bundled_set_dir)
 from envs.tasks.code import SET_NAME as CODE_SET
 from envs.tasks.code import build_code_tasks
 from envs.tasks.rows import read_rows, task_from_row
@@ -49,7 +50,31 @@ BUILTIN_SETS: dict[str, tuple[str, Callable[[str], list[Task]]]] = {
     SWE_IMAGES_SET: ("swe", lambda cache_dir: _read_bundled_swe(
         build_bundled_image_set(cache_dir), cache_dir)),
 }
+# Built-in sets whose first build takes minutes: name -> (their folder under the cache
+# root, what the build does and about how long it takes; swe_smith_images measured 243 s
+# on 2 cores at load average 6-8, the base image present).
+SLOW_SETS: dict[str, tuple[Callable[[str], str], str]] = {
+    SWE_SMITH_SET: (bundled_set_dir, "about 2 min: each mutation's tests run to keep only "
+                                     "real bugs"),
+    SWE_IMAGES_SET: (bundled_image_set_dir, "about 5 min on 2 cores, more under load: each "
+                                            "mutation's tests run to keep only real bugs, then "
+                                            "one podman image a task"),
+}
 FORMATS = ("auto", "toy", "code", "swe", "jsonl", "parquet")
+
+
+def unbuilt_set_note(source: str, cache_dir: str | None = None) -> str | None:
+    """What to say instead of building `source` when it is a built-in set whose first build
+    takes minutes and is not built yet (a dry run checks without building); else None."""
+    if source not in SLOW_SETS:
+        return None
+    folder, takes = SLOW_SETS[source]
+    where = folder(cache_dir or str(default_cache_dir()))
+    if os.path.isdir(where):
+        return None
+    return (f"the task set {source} is not built yet: the first run builds it ({takes}) into "
+            f"{where}")
+
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -128,4 +153,4 @@ def _duplicate_ids(source: str, tasks: list[Task]) -> list[str]:
     return problems
 
 
-__all__ = ["BUILTIN_SETS", "FORMATS", "load_tasks", "read_tasks"]
+__all__ = ["BUILTIN_SETS", "FORMATS", "SLOW_SETS", "load_tasks", "read_tasks", "unbuilt_set_note"]

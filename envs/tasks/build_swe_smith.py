@@ -296,17 +296,23 @@ def with_image(row: dict, repo: str, project: Project, out_dir: str, archive: bo
     return {**row, "image_name": name, "workdir": WORKDIR}
 
 
+def bundled_image_set_dir(cache_dir: str) -> str:
+    """Where the built-in set IMAGES_SET_NAME is built under `cache_dir` (keyed by the
+    projects' versions); it exists once built."""
+    from importlib.metadata import version
+
+    versions = "-".join(f"{p}{version(PROJECTS[p].package)}x{n}"
+                        for p, n in sorted(IMAGES_SET_TASKS.items()))
+    return os.path.join(cache_dir, "swe_smith", f"images-{versions}-seed0")
+
+
 def build_bundled_image_set(cache_dir: str) -> str:
     """The tasks.jsonl of the built-in set IMAGES_SET_NAME (several projects, one image per
     task), built once under `cache_dir`; images missing from this host's storage (a
     cleaned podman store) are rebuilt from the cached repositories."""
     from envs.cache import build_once
 
-    from importlib.metadata import version
-
-    versions = "-".join(f"{p}{version(PROJECTS[p].package)}x{n}"
-                        for p, n in sorted(IMAGES_SET_TASKS.items()))
-    dest = os.path.join(cache_dir, "swe_smith", f"images-{versions}-seed0")
+    dest = bundled_image_set_dir(cache_dir)
     build_once(dest, _build_image_set, f"the built-in task set {IMAGES_SET_NAME} ("
                f"{sum(IMAGES_SET_TASKS.values())} tasks: each mutation's tests run to keep only "
                "real bugs, then one image a task; minutes to tens of minutes)")
@@ -352,12 +358,17 @@ def _ensure_images(out_dir: str, path: str) -> None:
             with_image(row, repo, project, os.path.join(out_dir, name), archive=False)
 
 
+def bundled_set_dir(cache_dir: str) -> str:
+    """Where the built-in set SET_NAME is built under `cache_dir`; it exists once built."""
+    version = getattr(__import__(PROJECTS["hjson"].package), "__version__", "unknown")
+    return os.path.join(cache_dir, "swe_smith", f"hjson-{version}-seed0-{BUNDLED_NUM_TASKS}")
+
+
 def build_bundled_set(cache_dir: str) -> str:
     """The tasks.jsonl of the built-in set SET_NAME, built once under `cache_dir`."""
     from envs.cache import build_once
 
-    version = getattr(__import__(PROJECTS["hjson"].package), "__version__", "unknown")
-    dest = os.path.join(cache_dir, "swe_smith", f"hjson-{version}-seed0-{BUNDLED_NUM_TASKS}")
+    dest = bundled_set_dir(cache_dir)
     build_once(dest, lambda tmp: _build_nonempty(tmp),
                f"the built-in task set {SET_NAME} ({BUNDLED_NUM_TASKS} tasks: each mutation's "
                "tests run to keep only real bugs; minutes)")

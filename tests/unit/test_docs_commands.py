@@ -94,8 +94,9 @@ NOT_HERE = {
         "grades the images the line above builds (tests/integration/test_image_tasks.py validates image rows)",
     "python -m trainer.main recipe=swe_mini.yaml envs.tasks=calc_images/tasks.jsonl":
         "trains on the images the lines above build",
-    "python -m trainer.main recipe=swe_mini.yaml": "its checks build the podman images of swe_smith_images on "
-                                                   "first use (minutes); tests/integration/test_swe_mini.py runs it",
+    "python -m trainer.main recipe=swe_mini.yaml": "its dry run says swe_smith_images is not built yet "
+                                                   "(tests/unit/test_validate.py) but, once it is, checks its 22 "
+                                                   "images; tests/integration/test_swe_mini.py runs it",
 }
 
 # Commands (as run) whose documented exit is not 0, with text their output must contain.

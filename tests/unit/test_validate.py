@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from envs.tasks import unbuilt_set_note
+from envs.tasks.build_swe_smith import bundled_image_set_dir, bundled_set_dir
 from trainer.run.recipe import load_config
 from trainer.run.validate import check_plugin, validate_run
 
@@ -281,3 +285,71 @@ def test_row_problems_are_capped_per_file(tmp_path):
     problems = validate_run(cfg)
     assert len(problems) == 21
     assert problems[-1].startswith("envs.tasks: stopped after 20 problems")
+
+
+# --- a dry run builds no slow task set; Ctrl-C during the checks ---------------------------
+
+def test_a_dry_run_says_a_slow_task_set_is_not_built_instead_of_building_it(tmp_path,
+                                                                           tiny_model_path):
+    """swe_mini.yaml names swe_smith_images, whose first build takes many minutes: the dry
+    run warns that the first run builds it, builds nothing and exits 0."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, SLUICE_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "trainer.main", "recipe=swe_mini.yaml",
+                           f"model.path={tiny_model_path}", "--dry-run"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    where = bundled_image_set_dir(str(cache))
+    assert (f"envs.tasks: the task set swe_smith_images is not built yet: the first run builds "
+            f"it (about 5 min on 2 cores, more under load: each mutation's tests run to keep "
+            f"only real bugs, then one podman image a task) into {where}") in proc.stderr
+    assert not (cache / "swe_smith").exists()  # nothing was built
+    assert took < 120, f"the dry run took {took:.0f} s"
+
+
+def test_unbuilt_set_note_only_for_slow_sets_not_built(tmp_path):
+    assert unbuilt_set_note("toy_arithmetic", str(tmp_path)) is None
+    assert unbuilt_set_note(str(tmp_path / "t.jsonl"), str(tmp_path)) is None
+    note = unbuilt_set_note("swe_smith_hjson", str(tmp_path))
+    assert note is not None and note.startswith("the task set swe_smith_hjson is not built yet")
+    os.makedirs(bundled_set_dir(str(tmp_path)))
+    assert unbuilt_set_note("swe_smith_hjson", str(tmp_path)) is None
+
+
+SLOW_PLUGIN = '''
+"""An agent loop whose module takes a minute to import: Ctrl-C lands in the checks."""
+import os
+import time
+from pathlib import Path
+
+Path(os.environ["SLUICE_TEST_MARKER"]).touch()
+time.sleep(60)
+'''
+
+
+def test_ctrl_c_during_the_start_up_checks_stops_cleanly(tmp_path, user_package):
+    """SIGINT while a real run's checks import a plug-in: one line, exit 130, no
+    traceback, no run folder."""
+    (tmp_path / "userpkg" / "slow.py").write_text(SLOW_PLUGIN)
+    marker, runs = tmp_path / "importing", tmp_path / "runs"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]),
+               SLUICE_TEST_MARKER=str(marker))
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", "recipe=quickstart.yaml",
+                             "agent.loop=userpkg.slow:Loop", f"logging.output_dir={runs}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the checks never imported the plug-in"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.rstrip().endswith("stopped before the run started; nothing to resume")
+    assert not runs.exists()

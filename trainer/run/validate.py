@@ -14,7 +14,8 @@ tokenizer whose chat template renders; the run's own start-up checks run as it r
 (the chat family, its parsers and keep_thinking against the policy's template,
 rollout.template_check). Nothing here writes to the run folder; the
 only disk writes are caches a run would fill anyway (the tiny model, SWE repository
-snapshots).
+snapshots). A dry run does not build a built-in task set whose first build takes minutes
+(envs.tasks.SLOW_SETS): it warns that the first run will, and roughly how long that takes.
 
 The tokenizer is loaded as a fast tokenizer (`tokenizer.json`) through transformers
 without torch; folders without `tokenizer.json` fall back to AutoTokenizer. The template
@@ -25,12 +26,13 @@ only when every other check passed; Ray, DeepSpeed and wandb stay out of `--dry-
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from envs.sandbox.backends import load_sandbox_backend
-from envs.tasks import BUILTIN_SETS, read_tasks
+from envs.tasks import BUILTIN_SETS, read_tasks, unbuilt_set_note
 from envs.tools.base import TOOLS, load_tool_class
 from envs.types import Task
 from rollout.agent_loop import check_agent_loop
@@ -42,6 +44,7 @@ from trainer.train.backends import load_train_backend
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
 PluginKind = Literal["agent loop", "reward fn", "tool", "sandbox backend", "warm start",
                      "train backend"]
 
@@ -56,9 +59,11 @@ _TOOL_PROBE = {"type": "function", "function": {
                    "required": ["code"]}}}
 
 
-def validate_run(cfg: SluiceConfig) -> list[str]:
+def validate_run(cfg: SluiceConfig, *, build_task_sets: bool = True) -> list[str]:
     """Every problem that would stop the run configured by `cfg`, one line each, each
-    naming the key, file or task to change; [] when the run can start."""
+    naming the key, file or task to change; [] when the run can start. Without
+    `build_task_sets` (a dry run), a built-in task set whose first build takes minutes
+    and is not built yet is not built: a warning says so and how long the run will take."""
     problems: list[str] = []
     problems += _plugin_problems("agent.loop", "agent loop", cfg.agent.loop)
     problems += _plugin_problems("reward.fn", "reward fn", cfg.reward.fn)
@@ -79,6 +84,10 @@ def validate_run(cfg: SluiceConfig) -> list[str]:
         sources.append(("eval.tasks", cfg.eval.tasks, "auto"))  # as the run reads it
     checked = {("agent loop", cfg.agent.loop), ("reward fn", cfg.reward.fn)}
     for key, source, fmt in sources:
+        note = None if build_task_sets else unbuilt_set_note(source)
+        if note is not None:
+            log.warning("%s: %s", key, note)
+            continue
         try:
             tasks, task_problems = read_tasks(source, fmt, max_problems=MAX_ROW_PROBLEMS)
         except Exception as exc:  # a broken task builder must not hide the other problems
