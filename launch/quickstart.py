@@ -23,13 +23,21 @@ compute the digits after 'Answer:' from the question; held-out reward fell to 0.
 Most demonstrations are shortened to the user turn without the system prompt: the long
 static prefix costs compute and teaches nothing (measured: 300 steps reach 87% exact
 copies on held-out questions with the full prompt; full-length demonstrations 0-2.5%).
+
+    python -m launch.quickstart model
+
+prints the folder of that warm-started tiny model (a Hugging Face folder that calls the
+`python` tool and answers `Answer: <n>`), building it first where it is missing, as the
+quickstart does: a model for gateway and loop experiments (docs/gateway.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import random
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -137,3 +145,34 @@ def toy_warm_start(base_path: Path, cfg: "SluiceConfig") -> Path:
     return warm_start_model(base_path, task_set, steps=cfg.model.warm_start_steps,
                             max_observation_tokens=cfg.envs.max_observation_tokens,
                             cache_root=default_cache_dir() / "models")
+
+
+QUICKSTART_RECIPE = "quickstart.yaml"
+
+
+def quickstart_model() -> Path:
+    """The quickstart's policy before RL: the tiny model after its warm start (both built
+    into the cache where missing, saying so), resolved as the quickstart run resolves it."""
+    from trainer.run.recipe import load_config
+    from trainer.run.system import resolve_model
+
+    return Path(resolve_model(load_config(QUICKSTART_RECIPE)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.quickstart",
+                                     description="The quickstart's cached models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("model", help="print the folder of the warm-started tiny model that "
+                        "calls tools (built first where missing; progress on stderr)",
+                        description="Print the folder of the quickstart's warm-started tiny "
+                        "model (it calls the python tool and answers 'Answer: <n>'), building "
+                        "the tiny model and its warm start first where they are missing.")
+    parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    print(quickstart_model())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

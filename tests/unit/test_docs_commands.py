@@ -88,6 +88,8 @@ NOT_HERE = {
     "python -m launch.simulate recipe=swe_grpo.yaml rollout.num_engines=32 rollout.tp_size=1 plan.train_gpus=32 "
     "plan.model_params_b=8 plan.kv_bytes_per_token=131072 plan.prompt_tokens=0 --steps 2 --mode async --tail none "
     "--json": "two steps at the seed's scale: minutes (the README's 1/20 run covers the same command line)",
+    "python -m launch.quickstart model": "builds the tiny model's warm start on first use (minutes); "
+                                         "tests/integration/test_quickstart_model.py runs it",
     "python -m envs.tasks.images build rows.jsonl --out calc_images":
         "the example row's repository is the reader's; tests/integration/test_images_cli.py builds such a row",
     "python -m reward.validate calc_images/tasks.jsonl --out calc_images/valid.jsonl":
