@@ -181,10 +181,11 @@ def _push_marks(events: Events, origin: float, top: float,
                                hovertext=texts, hoverinfo="text")]
 
 
-def _span_marks(spans: Sequence[SpanEvent], origin: float, top: float,
+def _span_marks(spans: Sequence[SpanEvent], origin: float, top: float, min_label_s: float,
                 ) -> tuple[list[dict[str, object]], list[dict[str, object]], list[go.Scatter]]:
     """Shapes (a band over each phase of the start and each first-use build, builds on
-    top), their labels, and hoverable markers above them."""
+    top), the labels of those at least `min_label_s` long (shorter ones would print over
+    each other; their markers still hover), and hoverable markers above them."""
     import plotly.graph_objects as go
 
     shapes: list[dict[str, object]] = []
@@ -197,6 +198,8 @@ def _span_marks(spans: Sequence[SpanEvent], origin: float, top: float,
             shapes.append(dict(type="rect", x0=x0, x1=x1, y0=0, y1=1, yref="paper", line_width=0,
                                fillcolor=SPAN_COLORS[kind], opacity=0.3 if kind == "phase" else 0.45,
                                layer="below"))
+            if b.t1 - b.t0 < min_label_s:
+                continue
             labels.append(dict(x=(x0 + x1) / 2, y=1, yref="paper", yanchor="top", textangle=-90,
                                showarrow=False, font=dict(size=10, color="#333"),
                                text=("first use: " if kind == "first_use" else "") + b.label))
@@ -278,7 +281,8 @@ def build_timeline(events: Events, *, by: str = "engine", max_turns: int = 6000,
     end = max([end] + [b.t1 for b in bands])
     pad = 0.02 * (end - start) + 0.1
     shapes, marks = _push_marks(shown, origin, lanes + 0.5)
-    band_shapes, labels, band_marks = _span_marks(bands, origin, lanes + 0.5)
+    band_shapes, labels, band_marks = _span_marks(bands, origin, lanes + 0.5,
+                                                  0.02 * (end - start))
     shapes = band_shapes + shapes
     marks += band_marks
     shapes += [dict(type="line", x0=0, x1=1, xref="paper", y0=first - 0.5, y1=first - 0.5,
