@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from envs.cache import build_once, default_cache_dir
+from envs.progress import FirstUse
 from envs.sandbox import engine as engines
 from envs.sandbox.images import archive_name, default_archive_dir
 from envs.tasks.rows import Row, RowRef, get_str, get_str_list, read_rows
@@ -175,13 +176,16 @@ def ensure_base_image(engine: engines.ContainerEngine) -> str:
     tag = f"{BASE_REPO}:{_digest(stamp)}"
     if engines.image_exists(engine, tag):
         return tag
-    rootfs = build_once(os.path.join(image_storage_dir(), "rootfs", tag.rsplit(":", 1)[1]),
-                        lambda tmp: _write_rootfs(files, tmp))
-    log.info("importing %s from %s", tag, rootfs)
-    with tempfile.TemporaryDirectory(prefix="sluice-base-") as tmp:
-        archive = os.path.join(tmp, "rootfs.tar")
-        subprocess.run(["tar", "-C", rootfs, "--numeric-owner", "-cf", archive, "."], check=True)
-        engines.run_engine(engine, "import", archive, tag, timeout_s=600)
+    with FirstUse(f"the base image {tag} (this host's python3.11, shell, coreutils, git)",
+                  f"{engine.name}'s image storage"):
+        rootfs = build_once(os.path.join(image_storage_dir(), "rootfs", tag.rsplit(":", 1)[1]),
+                            lambda tmp: _write_rootfs(files, tmp))
+        log.info("importing %s from %s", tag, rootfs)
+        with tempfile.TemporaryDirectory(prefix="sluice-base-") as tmp:
+            archive = os.path.join(tmp, "rootfs.tar")
+            subprocess.run(["tar", "-C", rootfs, "--numeric-owner", "-cf", archive, "."],
+                           check=True)
+            engines.run_engine(engine, "import", archive, tag, timeout_s=600)
     return tag
 
 
@@ -194,17 +198,20 @@ def ensure_project_image(engine: engines.ContainerEngine, project: str,
     tag = f"localhost/sluice-swe-deps.{project}:{digest}"
     if engines.image_exists(engine, tag):
         return tag
-    site = build_once(os.path.join(image_storage_dir(), "site", digest),
-                      lambda tmp: _pip_install(requirements, tmp))
-    # Binary wheels load shared libraries (libgcc_s, libstdc++) the base may not have.
-    base_files = {os.path.relpath(p, "/") for p in _host_files()}
-    libs = sorted(p for p in _shared_libraries(
-        [os.path.join(d, f) for d, _, fs in os.walk(site) for f in fs if ".so" in f])
-        if os.path.relpath(p, "/") not in base_files and not p.startswith(site))
-    with tempfile.TemporaryDirectory(prefix="sluice-libs-") as extra:
-        _write_files(libs, extra)
-        _build(engine, tag, f"FROM {base}\nCOPY site {SITE_PACKAGES}\nCOPY libs /\n",
-               {"site": site, "libs": extra})
+    count = f"{len(requirements)} pinned requirement{'s' if len(requirements) != 1 else ''}"
+    with FirstUse(f"the project layer {tag} ({count} from the package index)",
+                  f"{engine.name}'s image storage"):
+        site = build_once(os.path.join(image_storage_dir(), "site", digest),
+                          lambda tmp: _pip_install(requirements, tmp))
+        # Binary wheels load shared libraries (libgcc_s, libstdc++) the base may not have.
+        base_files = {os.path.relpath(p, "/") for p in _host_files()}
+        libs = sorted(p for p in _shared_libraries(
+            [os.path.join(d, f) for d, _, fs in os.walk(site) for f in fs if ".so" in f])
+            if os.path.relpath(p, "/") not in base_files and not p.startswith(site))
+        with tempfile.TemporaryDirectory(prefix="sluice-libs-") as extra:
+            _write_files(libs, extra)
+            _build(engine, tag, f"FROM {base}\nCOPY site {SITE_PACKAGES}\nCOPY libs /\n",
+                   {"site": site, "libs": extra})
     return tag
 
 
