@@ -166,9 +166,6 @@ class VLLMEngine:
 
     async def start(self) -> None:
         s = self.spec
-        if s.tp_size == 1:
-            # The engine core runs in this process: starts in seconds instead of ~20 s.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vLLM's INFO lines (~20 per engine start: config dumps, load times) reach the
         # driver's console through Ray; its warnings stay. VLLM_LOGGING_LEVEL=INFO brings
         # them back (the engine core process reads it; this process has imported vLLM).

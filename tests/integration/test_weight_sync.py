@@ -229,13 +229,30 @@ async def test_rank_zero_plans_sends_and_verifies_and_the_driver_moves_only_a_ve
 
 
 def engine_processes(router, name) -> tuple[int, list[int]]:
-    """The engine actor's pid and its vLLM engine-core child (where its weights live)."""
+    """The engine actor's pid and its vLLM engine-core child (where its weights live).
+    The child renames itself after it starts and psutil can race a process's exit, so
+    this waits up to 10 s for a named core rather than reading the process table once."""
     import psutil
     import ray
 
     pid = ray.get(router.engines[name].handle.__ray_call__.remote(lambda actor: os.getpid()))
-    children = psutil.Process(pid).children(recursive=True)
-    return pid, [c.pid for c in children if c.name().startswith("VLLM::EngineCor")]
+    seen: list[str] = []
+    deadline = time.monotonic() + 10
+    while True:
+        cores, seen = [], []
+        for child in psutil.Process(pid).children(recursive=True):
+            try:
+                label = f"{child.name()} {(child.cmdline() or [''])[0]}"
+            except psutil.Error:
+                continue
+            seen.append(label)
+            if "EngineCor" in label:
+                cores.append(child.pid)
+        if cores or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert cores, f"no vLLM engine core under {name}'s actor (pid {pid}); children: {seen}"
+    return pid, cores
 
 
 async def test_an_engine_killed_mid_push_is_dropped_and_the_run_goes_on(
@@ -254,7 +271,6 @@ async def test_an_engine_killed_mid_push_is_dropped_and_the_run_goes_on(
 
     state = perturb_rank_zero(rank_zero, 41)
     actor_pid, cores = engine_processes(router, "engine-1")
-    assert cores
     for pid in cores:
         os.kill(pid, signal.SIGSTOP)
     push = asyncio.ensure_future(trainer.push_weights(7))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -418,13 +419,15 @@ async def test_a_declared_blocking_tool_is_timed_out_off_the_event_loop(tokenize
 
 
 class SpinningTool(SleepyTool):
-    """Blocking work in Python code (a busy loop), which the watchdog can stop."""
+    """Blocking work in Python code (a busy loop), which the watchdog can stop. `done` ends
+    a spin early: the call moved to a thread cannot be stopped by the timeout and would
+    otherwise hold the test's teardown (the loop's thread pool) for its whole 30 s."""
+
+    done = threading.Event()
 
     async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
-        import time
-
         until = time.monotonic() + float(arguments["s"])
-        while time.monotonic() < until:
+        while time.monotonic() < until and not self.done.is_set():
             pass
         return ToolResult("spun")
 
@@ -466,8 +469,12 @@ async def test_a_tool_blocking_the_loop_past_its_timeout_is_stopped_then_runs_on
     a thread, where the plain timeout fires while the loop keeps turning."""
     script = [call("sleepy", s=30), call("sleepy", s=30), "Answer: 5"]
     worker, task = sleepy_worker(tokenizer, SpinningTool, script, 1.5)
+    SpinningTool.done.clear()
     start = time.monotonic()
-    traj = await worker.run_trajectory(task, "g", 0)
+    try:
+        traj = await worker.run_trajectory(task, "g", 0)
+    finally:
+        SpinningTool.done.set()
     elapsed = time.monotonic() - start
     text = tokenizer.decode(traj.response_ids.tolist())
     assert "Timeout: sleepy did not finish within 1.5 s (it blocked the worker's event loop)." in text
