@@ -3,6 +3,7 @@ a process waiting for another's build says so instead of going quiet."""
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import time
@@ -22,6 +23,31 @@ def test_a_first_use_build_says_what_where_and_how_far(tmp_path, caplog):
     assert lines[0] == f"building the warm start (4 steps): first use, cached in {tmp_path / 'warm'} for later runs"
     assert lines[1].startswith("building the warm start: 1/4 steps, ") and "s left" in lines[1]
     assert lines[-1].startswith("built the warm start in ")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_a_sized_build_keeps_a_bar_and_clears_it(tmp_path, monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    with FirstUse("the warm start", tmp_path / "warm", total=4, every_s=1e9) as progress:
+        for _ in range(4):
+            progress.advance()
+    out = screen.getvalue()
+    assert "\rthe warm start [" + "#" * 7 + "." * 23 + "] 1/4 steps, about " in out
+    assert "] 4/4 steps, about 0 s left" in out  # the last step is always drawn
+    assert out.endswith("\r\033[K")  # cleared: the final log line starts on a clean line
+
+
+def test_in_a_log_file_there_is_no_bar(tmp_path, monkeypatch):
+    log_file = io.StringIO()  # not a terminal
+    monkeypatch.setattr("sys.stderr", log_file)
+    with FirstUse("the warm start", tmp_path / "warm", total=4, every_s=1e9) as progress:
+        progress.advance(4)
+    assert log_file.getvalue() == ""
 
 
 def test_a_failed_build_says_nothing_was_cached(tmp_path, caplog):
