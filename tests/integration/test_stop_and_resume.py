@@ -46,7 +46,15 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 240) -> None:
+# Bounds catch hangs, not slowness: beside the suite's other whole-system run a start took
+# over 240 s once (Ray's node start timed out after 40 s and was retried, then the engine
+# took a minute to come up).
+STEP_TIMEOUT_S = 540
+pytestmark = pytest.mark.timeout(1800)
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int,
+                  timeout_s: float = STEP_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(r.get("step", 0) >= step and "reward/mean" in r for r in metric_rows(run_dir)):
