@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from rollout.worker_reply import fold_checksums, fold_replies
+
 if TYPE_CHECKING:
     from rollout.config import ModelDtype, RolloutRecipe
 
@@ -248,8 +250,8 @@ class VLLMEngine:
                                 backend: str, timeout_s: float) -> list[int]:
         """Every worker joins the trainer's weight broadcast group (rank_offset + its
         rank); returns the ranks taken. Blocks until the whole group has joined."""
-        return await self._llm.collective_rpc(
-            "sluice_init_weight_group", args=(host, port, rank_offset, world_size, backend, timeout_s))
+        return await self._worker_call("sluice_init_weight_group",
+                                       (host, port, rank_offset, world_size, backend, timeout_s))
 
     async def receive_weights(self, version: int, wire: list[dict]) -> None:
         """Like `update_weights`, with the tensors broadcast by the trainer in the buckets
@@ -266,7 +268,7 @@ class VLLMEngine:
             if not was_paused:
                 await self.pause()
             try:
-                await self._llm.collective_rpc(method, args=args)
+                await self._worker_call(method, args)
                 await self.reset_prefix_cache()
                 self._version = version
             finally:
@@ -276,10 +278,13 @@ class VLLMEngine:
     async def checksum(self, names: list[str]) -> str:
         """Digest of the (replicated) parameters `names`; every TP worker must report the
         same one, or the result names the disagreement (and so matches no expected digest)."""
-        digests = await self._llm.collective_rpc("sluice_checksum", args=(names,))
-        if len(set(digests)) > 1:
-            return "TP workers disagree: " + ", ".join(d[:12] for d in digests)
-        return digests[0]
+        return fold_checksums(await self._worker_call("sluice_checksum", (names,)))
+
+    async def _worker_call(self, method: str, args: tuple) -> list[Any]:
+        """`method` of rollout.weight_reload's extension on every TP worker: their values
+        in rank order once all have answered, or one WorkerError / WeightGroupError naming
+        each worker that failed (rollout.worker_reply says why never earlier)."""
+        return fold_replies(method, await self._llm.collective_rpc(method, args=args))
 
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()

@@ -11,13 +11,16 @@ through the broadcast group, where only the bucket plan travels through the rpc.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rollout.weight_group import (CommBackend, Deadline, WeightCommunicator, WeightGroupError,
                                   abort_quietly, bounded_broadcast, build_store,
                                   build_weight_communicator)
 from rollout.weight_protocol import Bucket, checksum_tensors, decode_plan, decode_state, unpack_bucket
+from rollout.worker_reply import ReplyWire, WorkerReply
+
+log = logging.getLogger(__name__)
 
 
 def join_weight_group(backend: CommBackend, host: str, port: int, rank: int, world_size: int,
@@ -85,11 +88,47 @@ def quiet_rotary_reload_warning() -> None:
 
 class WeightReloadExtension:
     """Methods mixed into vLLM's worker; `self.model_runner` is the worker's runner,
-    `self.rank` its rank inside the engine and `self.device` its device."""
+    `self.rank` its rank inside the engine and `self.device` its device.
+
+    Each `sluice_*` method returns a `WorkerReply` as a tuple and never raises an
+    Exception (`rollout.worker_reply` says why): every worker answers every call, and the
+    engine raises once all have. KeyboardInterrupt and SystemExit still end the worker."""
 
     _sluice_comm: WeightCommunicator | None = None  # the broadcast group, once joined
 
-    def sluice_load_weights(self, blob: bytes | None = None, path: str | None = None) -> None:
+    def _sluice_answer(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> ReplyWire:
+        rank = self.rank  # type: ignore[attr-defined]
+        try:
+            return WorkerReply(rank, method(*args, **kwargs)).to_wire()
+        except Exception as exc:  # the worker's one catch-all: the error travels as a value
+            log.exception("TP worker %d: %s failed", rank, method.__name__.removeprefix("_"))
+            return WorkerReply.failed(rank, exc).to_wire()
+
+    def sluice_load_weights(self, blob: bytes | None = None, path: str | None = None) -> ReplyWire:
+        return self._sluice_answer(self._sluice_load_weights, blob, path)
+
+    def sluice_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                 backend: CommBackend, timeout_s: float) -> ReplyWire:
+        """Join the trainer's broadcast group as rank `rank_offset + self.rank`; answers it.
+        A group this worker was in before is aborted first (the trainer formed a new one)."""
+        return self._sluice_answer(self._sluice_init_weight_group, host, port, rank_offset,
+                                   world_size, backend, timeout_s)
+
+    def sluice_drop_weight_group(self) -> ReplyWire:
+        return self._sluice_answer(self._sluice_drop_weight_group)
+
+    def sluice_receive_weights(self, wire: list[dict[str, Any]]) -> ReplyWire:
+        """Receive the planned buckets from the trainer and load them in place, one bucket
+        in memory at a time, within sync.timeout_s. When a broadcast fails the group is
+        aborted and dropped, and the answer is a WeightGroupError: the weights are then
+        partly loaded, and the trainer sends them again through a new group."""
+        return self._sluice_answer(self._sluice_receive_weights, wire)
+
+    def sluice_checksum(self, names: list[str]) -> ReplyWire:
+        """Digest of the served parameters `names` (vLLM's own, possibly fused, names)."""
+        return self._sluice_answer(self._sluice_checksum, names)
+
+    def _sluice_load_weights(self, blob: bytes | None, path: str | None) -> None:
         if (blob is None) == (path is None):
             raise ValueError("pass exactly one of blob (safetensors bytes) or path (a folder)")
         if blob is None:
@@ -102,26 +141,20 @@ class WeightReloadExtension:
         quiet_rotary_reload_warning()
         self.model_runner.reload_weights(**source)  # type: ignore[attr-defined]
 
-    def sluice_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                                 backend: CommBackend, timeout_s: float) -> int:
-        """Join the trainer's broadcast group as rank `rank_offset + self.rank`; returns it.
-        A group this worker was in before is aborted first (the trainer formed a new one)."""
-        self.sluice_drop_weight_group()
+    def _sluice_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                  backend: CommBackend, timeout_s: float) -> int:
+        self._sluice_drop_weight_group()
         rank = rank_offset + self.rank  # type: ignore[attr-defined]
         self._sluice_comm = join_weight_group(backend, host, port, rank, world_size,
                                               self.device, timeout_s)  # type: ignore[attr-defined]
         self._sluice_timeout_s = timeout_s
         return rank
 
-    def sluice_drop_weight_group(self) -> None:
+    def _sluice_drop_weight_group(self) -> None:
         abort_quietly(self._sluice_comm)
         self._sluice_comm = None
 
-    def sluice_receive_weights(self, wire: list[dict[str, Any]]) -> None:
-        """Receive the planned buckets from the trainer and load them in place, one bucket
-        in memory at a time, within sync.timeout_s. When a broadcast fails the group is
-        aborted and dropped, and this raises WeightGroupError: the weights are then partly
-        loaded, and the trainer sends them again through a new group."""
+    def _sluice_receive_weights(self, wire: list[dict[str, Any]]) -> None:
         comm = self._sluice_comm
         if comm is None:
             raise WeightGroupError("no weight group: sluice_receive_weights before "
@@ -141,8 +174,7 @@ class WeightReloadExtension:
         if unread:
             raise RuntimeError(f"the model loader stopped before {unread} weight buckets")
 
-    def sluice_checksum(self, names: list[str]) -> str:
-        """Digest of the served parameters `names` (vLLM's own, possibly fused, names)."""
+    def _sluice_checksum(self, names: list[str]) -> str:
         params = dict(self.model_runner.get_model().named_parameters())  # type: ignore[attr-defined]
         missing = [n for n in names if n not in params]
         if missing:
