@@ -139,7 +139,10 @@ class WeightReloadExtension:
 
     def _sluice_reload(self, **source: Any) -> None:
         quiet_rotary_reload_warning()
-        self.model_runner.reload_weights(**source)  # type: ignore[attr-defined]
+        # The worker's own entry point (vLLM's Worker.reload_weights, which CPUWorker
+        # inherits), not its model runner's: it sets the current vLLM config around the
+        # reload, which quantized and other layers' weight loaders read.
+        self.reload_weights(**source)  # type: ignore[attr-defined]
 
     def _sluice_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                   backend: CommBackend, timeout_s: float) -> int:

@@ -59,13 +59,12 @@ def test_checksums_agree_disagree_or_are_refused():
 class FakeRunner:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.worker: Any = None
 
     def get_model(self) -> torch.nn.Module:
         return self.model
 
     def reload_weights(self, **source: Any) -> None:
-        self.worker.reload_weights(**source)
+        raise AssertionError("the extension must reload through the worker's entry point")
 
 
 class FakeWorker(WeightReloadExtension):
@@ -74,7 +73,6 @@ class FakeWorker(WeightReloadExtension):
     def __init__(self, rank: int, model: torch.nn.Module) -> None:
         self.rank, self.device = rank, "cpu"
         self.model_runner = FakeRunner(model)
-        self.model_runner.worker = self
         self.reloads: list[dict[str, Any]] = []
 
     def reload_weights(self, **source: Any) -> None:
