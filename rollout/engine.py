@@ -47,6 +47,10 @@ def quiet_vllm_cpu_notice() -> None:
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 
+def _not_the_seed_notice(record: logging.LogRecord) -> bool:
+    return "VLLM_ENABLE_V1_MULTIPROCESSING" not in str(record.msg)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     """Everything needed to start one engine; built from the recipe by `from_config`."""
@@ -177,6 +181,15 @@ class VLLMEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if s.tp_size == 1 and current_platform.is_cpu():
+            # vLLM's CPU platform turns the "uni" executor into "mp" unless this is 0,
+            # which runs the model in a third process (engine core -> worker) that imports
+            # vLLM again: ~20 CPU-s and a process more per engine start. AsyncLLM keeps its
+            # engine core in a process of its own either way; at 0 the model runs there.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            # ...and at 0 vLLM warns that its seed may reach the launching process's random
+            # state: it does not here, the engine core is a spawned process of its own.
+            logging.getLogger("vllm.engine.arg_utils").addFilter(_not_the_seed_notice)
         if s.tp_size > 1 and current_platform.is_cpu():
             # vLLM's automatic CPU binding wants one NUMA node per TP worker; let the OS
             # schedule them instead (an explicit VLLM_CPU_OMP_THREADS_BIND still wins).
