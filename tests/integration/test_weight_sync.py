@@ -229,9 +229,11 @@ async def test_rank_zero_plans_sends_and_verifies_and_the_driver_moves_only_a_ve
 
 
 def engine_processes(router, name) -> tuple[int, list[int]]:
-    """The engine actor's pid and its vLLM engine-core child (where its weights live).
-    The child renames itself after it starts and psutil can race a process's exit, so
-    this waits up to 10 s for a named core rather than reading the process table once."""
+    """The engine actor's pid and its vLLM engine-core child (where its weights live): the
+    child named VLLM::EngineCore, or the actor's multiprocessing-spawned child (the only
+    one besides multiprocessing's resource tracker), whose rename is not always seen (in
+    one suite run both children still read `python`). psutil can race a process's exit,
+    so this waits up to 10 s rather than reading the process table once."""
     import psutil
     import ray
 
@@ -242,11 +244,11 @@ def engine_processes(router, name) -> tuple[int, list[int]]:
         cores, seen = [], []
         for child in psutil.Process(pid).children(recursive=True):
             try:
-                label = f"{child.name()} {(child.cmdline() or [''])[0]}"
+                label = f"{child.name()} {' '.join(child.cmdline())[:160]}"
             except psutil.Error:
                 continue
             seen.append(label)
-            if "EngineCor" in label:
+            if "EngineCor" in label or "spawn_main" in label:
                 cores.append(child.pid)
         if cores or time.monotonic() > deadline:
             break
