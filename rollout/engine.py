@@ -153,6 +153,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int  # of which were hits (cumulative)
     paused: bool
+    # Resets after a load that vLLM refused because a request held KV blocks (cumulative);
+    # each was redone preempting those requests (`VLLMEngine.reset_prefix_cache`).
+    prefix_reset_refused: int = 0
 
 
 class VLLMEngine:
@@ -165,6 +168,7 @@ class VLLMEngine:
         self._paused = False
         self._in_flight: set[str] = set()
         self._update_lock = asyncio.Lock()
+        self._reset_refused = 0
 
     @property
     def version(self) -> int:
@@ -300,7 +304,23 @@ class VLLMEngine:
         return fold_replies(method, await self._llm.collective_rpc(method, args=args))
 
     async def reset_prefix_cache(self) -> None:
-        await self._llm.reset_prefix_cache()
+        """Drop every cached KV block, so that no later prompt reuses KV computed by older
+        weights. vLLM refuses (returns False, logs a warning) while any request holds
+        blocks: one the gate let finish but still running, or one whose caller was
+        cancelled without aborting it. Then the running requests are preempted: their KV
+        is freed and recomputed by the current weights when they go on, and the refusal
+        is counted (`perf/prefix_reset_refused`). RuntimeError when even that leaves the
+        cache in use: the push fails rather than serve stale KV under a new version."""
+        if await self._llm.reset_prefix_cache():
+            return
+        self._reset_refused += 1
+        log.warning("prefix cache reset refused with %d request(s) of this wrapper open; "
+                    "preempting the running ones so their KV is recomputed by the new weights",
+                    len(self._in_flight))
+        # vLLM raises RuntimeError itself when the preempting reset cannot empty the cache.
+        if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset the prefix cache even after preempting every "
+                               "running request: cached KV of the old weights would be reused")
 
     async def get_stats(self) -> EngineStats:
         return self.stats()
@@ -319,7 +339,7 @@ class VLLMEngine:
                            kv_cache_usage=float(values.get("vllm:kv_cache_usage_perc", 0.0)),
                            prefix_cache_queries=int(values.get("vllm:prefix_cache_queries", 0)),
                            prefix_cache_hits=int(values.get("vllm:prefix_cache_hits", 0)),
-                           paused=self._paused)
+                           paused=self._paused, prefix_reset_refused=self._reset_refused)
 
 
 def _finish_reason(reason: str | None) -> FinishReason:

@@ -3,6 +3,7 @@ EngineClient the router uses to call it. All behaviour lives in rollout.engine."
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,15 +61,23 @@ class EngineActor:
 
 
 class RayEngineClient:
-    """EngineClient over an EngineActor handle. Cancelling a call here does not stop the
-    remote generation; `abort` does."""
+    """EngineClient over an EngineActor handle."""
 
     def __init__(self, handle: "ray.actor.ActorHandle") -> None:
         self.handle = handle
 
     async def generate(self, request_id: str, prompt_ids: np.ndarray | list[int],
                        sampling: Sampling) -> TokenOutput:
-        return await self.handle.generate.remote(request_id, np.asarray(prompt_ids, np.int32), sampling)
+        """Cancelling this call cancels the actor's task too, whose cancellation aborts the
+        request in vLLM. Cancelling only the wait here would leave the request running:
+        its tokens wasted, its KV blocks held through the next push (a refused prefix
+        reset), and the caller's retry of the turn racing it."""
+        ref = self.handle.generate.remote(request_id, np.asarray(prompt_ids, np.int32), sampling)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            ray.cancel(ref)
+            raise
 
     async def abort(self, request_ids: list[str]) -> None:
         await self.handle.abort.remote(request_ids)

@@ -159,4 +159,5 @@ class SimEngine:
                            num_running=s.num_running, num_waiting=s.num_waiting,
                            kv_cache_usage=s.kv_used_blocks / s.kv_total_blocks,
                            prefix_cache_queries=s.prefix_cache_queries,
-                           prefix_cache_hits=s.prefix_cache_hits, paused=self.paused)
+                           prefix_cache_hits=s.prefix_cache_hits, paused=self.paused,
+                           prefix_reset_refused=self.num_failed_resets)

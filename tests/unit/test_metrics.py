@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from trainer.run.metrics import BusyClock, JsonlSink, MetricsLogger
+from trainer.run.metrics import BusyClock, JsonlSink, MetricsLogger, compute_loop_metrics
 
 
 class FailingSink:
@@ -83,3 +83,19 @@ def test_startup_events_are_what_the_report_reads_back(tmp_path):
         ("phase", "model (and warm start)", 10.5, 140.0, ""),
         ("first_use", "the warm start", 11.0, 139.0, "cached in /c/warm-1"),
         ("first_use", "a task set", 5.0, 6.0, "failed, nothing cached (/c/set)")]
+
+
+def test_loop_metrics_sum_the_engines_refused_prefix_resets_and_their_cache_rates():
+    import dataclasses
+
+    from buffer.replay_buffer import BufferStats
+    from rollout.engine import EngineStats
+
+    buffer = BufferStats(**{f.name: (0 if f.type in ("int", int) else {})
+                            for f in dataclasses.fields(BufferStats)})
+    engines = {"e0": EngineStats(3, 0, 0, 0, 0.0, 100, 40, False, prefix_reset_refused=2),
+               "e1": EngineStats(3, 0, 0, 0, 0.0, 60, 20, False, prefix_reset_refused=1)}
+    out, cache = compute_loop_metrics(buffer, engines, [], (60, 20))
+    assert out["perf/prefix_reset_refused"] == 3.0  # cumulative over the live engines
+    assert out["rollout/prefix_cache_hit_rate_vllm"] == (60 - 20) / (160 - 60)
+    assert cache == (160, 60)

@@ -286,6 +286,8 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
            "buffer/admitted": float(buffer.admitted), "buffer/trained": float(buffer.trained),
            # vLLM's own counters (cumulative per engine), as a rate since the last call
            "rollout/prefix_cache_hit_rate_vllm": (hits - last_cache[1]) / max(queries - last_cache[0], 1),
+           # cumulative over the live engines: resets after a push that found KV in use
+           "perf/prefix_reset_refused": float(sum(e.prefix_reset_refused for e in engines.values())),
            "rollout/trajectories_running": float(sum(w.num_running for w in workers)),
            # cumulative; counted only with agent.continuity_check (a debug setting)
            "rollout/continuity_divergences": float(sum(w.num_continuity_divergences for w in workers)),
