@@ -47,6 +47,21 @@ def quiet_vllm_cpu_notice() -> None:
     logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 
+# vLLM 0.32 runs its Model Runner V2 on GPU wherever Triton is installed, V1 elsewhere
+# (vllm-cpu has no Triton). Every test of sluice runs V1, and the weight-reload extension
+# reaches into the runner, so engines ask for V1 unless the environment says otherwise.
+MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def model_runner_note() -> str:
+    """Which vLLM model runner the engines will use, and how to change it."""
+    if os.environ.get(MODEL_RUNNER_ENV, "0").strip().lower() in ("0", "false", ""):
+        return (f"rollout engine: vLLM's V1 model runner ({MODEL_RUNNER_ENV}=0, the runner "
+                f"sluice is tested on; {MODEL_RUNNER_ENV}=1 tries V2 on GPU, untested)")
+    return (f"rollout engine: vLLM's V2 model runner as {MODEL_RUNNER_ENV}="
+            f"{os.environ[MODEL_RUNNER_ENV]} asks (untested by sluice; V1 where Triton is missing)")
+
+
 def _not_the_seed_notice(record: logging.LogRecord) -> bool:
     return "VLLM_ENABLE_V1_MULTIPROCESSING" not in str(record.msg)
 
@@ -182,6 +197,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
         quiet_vllm_cpu_notice()
+        os.environ.setdefault(MODEL_RUNNER_ENV, "0")  # read by the engine core it spawns too
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -90,3 +90,12 @@ def test_a_misspelled_plugin_fails_first_without_vllm_or_the_config_dump():
     assert proc.stderr.startswith("config error: 1 problem before start:\n  - agent.loop: "), proc.stderr
     assert "HEAVY []" in proc.stdout
     assert "max_staleness" not in proc.stdout  # the resolved config waits for a clean check
+
+
+def test_the_dry_run_says_which_vllm_model_runner_the_engines_use(monkeypatch, capsys):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert main(["recipe=quickstart.yaml", "model.warm_start=null", "--dry-run"]) == 0
+    assert "vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0" in capsys.readouterr().out
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert main(["recipe=quickstart.yaml", "model.warm_start=null", "--dry-run"]) == 0
+    assert "V2 model runner as VLLM_USE_V2_MODEL_RUNNER=1 asks" in capsys.readouterr().out

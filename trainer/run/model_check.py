@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.engine import model_runner_note
 from rollout.rope import build_rope_overrides, count_positions, read_config_json, text_config
 from trainer.run.config import SluiceConfig
 
@@ -184,6 +185,7 @@ def _check_policy(cfg: SluiceConfig, shape: DecoderShape, config: Mapping[str, A
     report.notes.append(f"rollout engine KV cache: {kv_tokens:,} tokens "
                         f"({kv_tokens / ctx:.1f} sequences of model.max_context_tokens at once; "
                         f"rollout.max_num_seqs={cfg.rollout.max_num_seqs})")
+    report.notes.append(model_runner_note())
     if kv_tokens < ctx:
         report.problems.append(
             f"rollout.kv_cache_memory_bytes: an engine's KV cache holds {kv_tokens:,} tokens, "
