@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from envs.knobs import knob, section
+from envs.knobs import knob, mapping_knob, section
 
 # What reward-hacking findings (reward.grading.hacking) do: "report" records them as hack_*
 # components and metrics only; "zero" also sets the trajectory's reward to 0.
@@ -25,6 +25,13 @@ class JudgeConfig:
     kv_cache_memory_bytes: int | None = knob(None, "Explicit judge KV-cache size; None: as "
                                              "rollout.kv_cache_memory_bytes.")
     max_new_tokens: int = knob(256, "Judge verdict length limit.")
+    max_model_len: int | None = knob(None, "Judge engines' context in tokens (judge prompt + "
+                                     "verdict), checked against the judge's positions (with "
+                                     "reward.judge.rope_scaling); None: model.max_context_tokens.")
+    rope_scaling: dict[str, float | str] = mapping_knob(
+        "RoPE scaling of the judge in its engines, as model.rope_scaling (which is the "
+        "policy's and never reaches the judge), e.g. {rope_type: yarn, factor: 2.0} to judge "
+        "trajectories past the judge's own positions. Empty: the judge's config.json as is.")
 
 
 @dataclass(frozen=True, slots=True)

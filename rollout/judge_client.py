@@ -91,13 +91,20 @@ async def _abort_quietly(engine: JudgeEngine, request_id: str) -> None:
 
 
 def build_judge_spec(cfg: RolloutRecipe, model_path: str) -> EngineSpec:
-    """The judge engines' spec: rollout's engine settings with reward.judge's parallelism
-    and KV-cache size (rollout's when reward.judge.kv_cache_memory_bytes is null), without
-    the policy's RoPE scaling (model.rope_scaling is the policy's, not the judge's)."""
+    """The judge engines' spec: rollout's engine settings with reward.judge's parallelism,
+    KV-cache size (rollout's when reward.judge.kv_cache_memory_bytes is null), context
+    (reward.judge.max_model_len, else model.max_context_tokens) and RoPE scaling
+    (reward.judge.rope_scaling; model.rope_scaling is the policy's, not the judge's)."""
+    from rollout.rope import build_rope_overrides, read_config_json
+
     j = cfg.reward.judge
     spec = EngineSpec.from_config(cfg, model_path, policy=False)
     kv = spec.kv_cache_memory_bytes if j.kv_cache_memory_bytes is None else j.kv_cache_memory_bytes
-    return dataclasses.replace(spec, tp_size=j.tp_size, kv_cache_memory_bytes=kv)
+    overrides = (build_rope_overrides(read_config_json(model_path), j.rope_scaling,
+                                      "reward.judge.rope_scaling") if j.rope_scaling else {})
+    return dataclasses.replace(spec, tp_size=j.tp_size, kv_cache_memory_bytes=kv,
+                               max_model_len=j.max_model_len or cfg.model.max_context_tokens,
+                               hf_overrides=overrides)
 
 
 async def start_judge(cfg: RolloutRecipe, model_path: str,

@@ -60,27 +60,28 @@ def model_rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def build_rope_overrides(config: Mapping[str, Any], rope_scaling: Mapping[str, float | str]
-                         ) -> dict[str, Any]:
-    """Config overrides that apply `rope_scaling` (the recipe's model.rope_scaling) to the
-    model described by `config` (its config.json); {} when rope_scaling is empty."""
+def build_rope_overrides(config: Mapping[str, Any], rope_scaling: Mapping[str, float | str],
+                         key: str = "model.rope_scaling") -> dict[str, Any]:
+    """Config overrides that apply `rope_scaling` (the recipe's `key`: model.rope_scaling,
+    or reward.judge.rope_scaling for the judge) to the model described by `config` (its
+    config.json); {} when rope_scaling is empty."""
     if not rope_scaling:
         return {}
     scaling = dict(rope_scaling)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
     if rope_type not in SUPPORTED_TYPES:
-        raise ValueError(f"model.rope_scaling.rope_type must be one of {SUPPORTED_TYPES}, got "
+        raise ValueError(f"{key}.rope_type must be one of {SUPPORTED_TYPES}, got "
                          f"{rope_type!r}")
-    for key, value in scaling.items():
-        if key in NUMERIC_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"model.rope_scaling.{key} must be a number, got {value!r}")
+    for name, value in scaling.items():
+        if name in NUMERIC_KEYS and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{key}.{name} must be a number, got {value!r}")
     factor = scaling.get("factor")
     if not isinstance(factor, (int, float)) or factor <= 1:
-        raise ValueError(f"model.rope_scaling.factor must be a number > 1 (how many times the "
+        raise ValueError(f"{key}.factor must be a number > 1 (how many times the "
                          f"model's positions are stretched), got {factor!r}")
     text = text_config(config)
     if "max_position_embeddings" not in text:
-        raise ValueError("model.rope_scaling: the model's config.json has no "
+        raise ValueError(f"{key}: the model's config.json has no "
                          "max_position_embeddings to scale")
     base = {k: v for k, v in model_rope_parameters(config).items() if k in KEPT_MODEL_KEYS}
     params: dict[str, Any] = {**base, "rope_type": rope_type, **scaling}

@@ -59,11 +59,20 @@ def test_the_shipped_swe_recipe_passes_on_qwen3_8b_with_a_long_context_judge(qwe
     cfg = load_config("swe_grpo.yaml", [f"model.path={qwen3_8b}", f"reward.judge.model_path={judge}"])
     report = check_models(cfg)
     assert report.problems == [], report.problems
-    # Judge engines get the policy's max_model_len: a judge of Qwen3-8B's 40,960 positions
-    # cannot read a full trajectory.
-    short = check_models(load_config("swe_grpo.yaml", [f"model.path={qwen3_8b}",
-                                                       f"reward.judge.model_path={qwen3_8b}"]))
-    assert [p.split(":")[0] for p in short.problems] == ["reward.judge.model_path"]
+    # Judge engines get the policy's context unless reward.judge.max_model_len says: a stock
+    # judge of 40,960 positions (Qwen3-8B's, as Qwen3-32B's) cannot take 65,536 tokens, and
+    # the problem names the judge's own knobs.
+    stock = [f"model.path={qwen3_8b}", f"reward.judge.model_path={qwen3_8b}"]
+    short = check_models(load_config("swe_grpo.yaml", stock))
+    assert [p.split(":")[0] for p in short.problems] == ["reward.judge.max_model_len"]
+    assert "reward.judge.rope_scaling" in short.problems[0] and "40,960" in short.problems[0]
+    own_context = check_models(load_config("swe_grpo.yaml", [*stock, "reward.judge.max_model_len=40960"]))
+    assert own_context.problems == []
+    yarn = ["reward.judge.rope_scaling.rope_type=yarn", "reward.judge.rope_scaling.factor=2.0"]
+    assert check_models(load_config("swe_grpo.yaml", [*stock, *yarn])).problems == []
+    bad = check_models(load_config("swe_grpo.yaml", [*stock, "reward.judge.rope_scaling.rope_type=yarn",
+                                                     "reward.judge.rope_scaling.factor=1.0"]))
+    assert [p.split(" ")[0] for p in bad.problems] == ["reward.judge.rope_scaling.factor"]
 
 
 def test_linear_scaling_multiplies_positions_and_bad_scalings_name_the_key():

@@ -6,6 +6,7 @@ balancing, abort on cancellation, prompt length, the judge engine spec)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -292,3 +293,19 @@ def test_judge_engine_spec_comes_from_reward_judge() -> None:
     own = load_config("quickstart.yaml", ["reward.judge.enabled=true",
                                           "reward.judge.kv_cache_memory_bytes=12345"])
     assert build_judge_spec(own, "m").kv_cache_memory_bytes == 12345
+
+
+def test_the_judge_spec_takes_the_judges_own_context_and_rope_scaling(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 40960,
+                                                      "rope_theta": 1000000.0}))
+    cfg = load_config("swe_grpo.yaml", ["reward.judge.max_model_len=65536",
+                                        "reward.judge.rope_scaling.rope_type=yarn",
+                                        "reward.judge.rope_scaling.factor=2.0"])
+    spec = build_judge_spec(cfg, str(tmp_path))
+    assert spec.max_model_len == 65536
+    assert spec.hf_overrides["max_position_embeddings"] == 81920
+    assert spec.hf_overrides["rope_parameters"]["rope_type"] == "yarn"
+    # the policy's model.rope_scaling never reaches the judge
+    policy_only = load_config("swe_grpo.yaml", ["model.rope_scaling.rope_type=yarn",
+                                                "model.rope_scaling.factor=2.0"])
+    assert build_judge_spec(policy_only, str(tmp_path)).hf_overrides == {}

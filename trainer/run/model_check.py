@@ -2,7 +2,8 @@
 is touched (`trainer.main` runs them for `--dry-run` and before a run starts):
 
 - context: model.max_context_tokens fits the policy's positions after model.rope_scaling,
-  and the judge's (judge engines get the same max_model_len);
+  and the judge's context (reward.judge.max_model_len, else the policy's) fits the judge's
+  positions after reward.judge.rope_scaling;
 - tensor parallelism: rollout.tp_size (reward.judge.tp_size) divides the attention heads,
   and divides or is a multiple of the KV heads (vLLM replicates KV heads past their count);
 - memory, per train rank and per engine GPU, printed: weights, gradients and optimizer
@@ -210,16 +211,23 @@ def _check_judge(cfg: SluiceConfig, report: ModelReport) -> None:
                             f"{j.model_path!r} on this machine")
         return
     try:
-        shape = DecoderShape.from_config(read_config_json(folder), {}, "reward.judge.model_path")
+        config = read_config_json(folder)
+        overrides = build_rope_overrides(config, j.rope_scaling, "reward.judge.rope_scaling")
+        shape = DecoderShape.from_config(config, overrides, "reward.judge.model_path")
     except ValueError as exc:
         report.problems.append(str(exc))
         return
-    ctx = cfg.model.max_context_tokens
+    ctx = j.max_model_len or cfg.model.max_context_tokens
     if ctx > shape.positions:
+        source = ("reward.judge.max_model_len" if j.max_model_len
+                  else "model.max_context_tokens (reward.judge.max_model_len is null)")
         report.problems.append(
-            f"reward.judge.model_path: judge engines are started with max_model_len = "
-            f"model.max_context_tokens ({ctx:,}), over the judge's {shape.positions:,} positions; "
-            f"choose a judge with a longer context or lower model.max_context_tokens")
+            f"reward.judge.max_model_len: judge engines would start with a context of {ctx:,} "
+            f"tokens from {source}, over the {shape.positions:,} positions of "
+            f"reward.judge.model_path{' with reward.judge.rope_scaling' if j.rope_scaling else ''}"
+            f"; set reward.judge.max_model_len <= {shape.positions:,} (judge prompts past it "
+            f"fail as reward errors), or reward.judge.rope_scaling (e.g. {{rope_type: yarn, factor: "
+            f"{_factor_hint(ctx, shape.positions)}}}), or choose a judge with a longer context")
     report.problems += _tp_problems("reward.judge.tp_size", j.tp_size, shape, j.model_path)
     line, kv_tokens = estimate_engine_gpu(cfg, shape, compute_dtype_bytes(cfg), j.tp_size,
                                           j.kv_cache_memory_bytes if j.kv_cache_memory_bytes
