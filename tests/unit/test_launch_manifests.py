@@ -1,8 +1,8 @@
 """The launch files (launch/k8s, launch/slurm, launch/ray_start.sh) against the recipe they are
 written for: parsed, every pool of recipes/swe_grpo.yaml packed onto the nodes they start
 (with the doctor's own packing, launch.doctor.check_pool_resources), the sandbox resource
-offered where the recipe needs it, the shared paths mounted, the RayJob's cluster equal to
-the RayCluster. Each validator is also shown to fail on a broken copy."""
+offered where the recipe needs it, the shared paths mounted, a memory volume at /dev/shm on
+every GPU group, the RayJob's cluster equal to the RayCluster. Each validator is also shown to fail on a broken copy."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def _start_resources(params: dict, sandbox_resource: str) -> dict[str, float]:
     return resources
 
 
+def _mounts_memory_at_dev_shm(pod: dict, container: dict) -> bool:
+    memory = {v["name"] for v in pod.get("volumes", [])
+              if v.get("emptyDir", {}).get("medium") == "Memory"}
+    return any(m["mountPath"] == "/dev/shm" and m["name"] in memory
+               for m in container.get("volumeMounts", []))
+
+
 def cluster_spec_problems(spec: dict, cfg) -> list[str]:
     """What keeps a RayCluster spec from running `cfg` (empty: nothing)."""
     problems = []
@@ -63,6 +70,9 @@ def cluster_spec_problems(spec: dict, cfg) -> list[str]:
         mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
         if resources["GPU"] and not any(cfg.model.path.startswith(m + "/") for m in mounts):
             problems.append(f"group {name}: model.path {cfg.model.path} is not on a mounted volume")
+        if resources["GPU"] and not _mounts_memory_at_dev_shm(g["template"]["spec"], container):
+            problems.append(f"group {name}: no memory volume at /dev/shm (a pod's own is 64 MiB; "
+                            "vLLM's TP workers, NCCL and Ray need GBs there)")
         nodes += [Node(f"{name}-{i}", name, resources) for i in range(int(g["replicas"]))]
     for check in check_pool_resources(pools, nodes):
         if not check.ok:
@@ -92,6 +102,13 @@ def test_raycluster_validator_catches_a_short_or_mislabelled_cluster(swe):
     del next(g for g in unlabelled["workerGroupSpecs"]
              if g["groupName"] == "sandbox")["rayStartParams"]["resources"]
     assert any("does not offer 'sandbox'" in p for p in cluster_spec_problems(unlabelled, swe))
+    no_shm = copy.deepcopy(spec)
+    judge = next(g for g in no_shm["workerGroupSpecs"] if g["groupName"] == "judge")
+    judge["template"]["spec"]["volumes"] = [v for v in judge["template"]["spec"]["volumes"]
+                                            if "emptyDir" not in v]
+    assert [p for p in cluster_spec_problems(no_shm, swe) if "/dev/shm" in p] == [
+        "group judge: no memory volume at /dev/shm (a pod's own is 64 MiB; vLLM's TP workers, "
+        "NCCL and Ray need GBs there)"]
     fewer_gpus = copy.deepcopy(spec)
     next(g for g in fewer_gpus["workerGroupSpecs"] if g["groupName"] == "rollout")["replicas"] = 3
     assert any(p.startswith("pool ") for p in cluster_spec_problems(fewer_gpus, swe))
