@@ -17,9 +17,11 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 CommBackend = Literal["nccl", "gloo"]
+T = TypeVar("T")
 SENDER_RANK = 0
 
 
@@ -184,14 +186,71 @@ def build_weight_communicator(backend: CommBackend, store: Any, rank: int, world
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
-    comm = PyNcclCommunicator(StatelessProcessGroup(rank=rank, world_size=world_size, store=store),
-                              device=device)
+    # ncclCommInitRank blocks until every rank has called it: a rank that reached the
+    # store but never gets there (hung, killed, a wrong NCCL_SOCKET_IFNAME) would hold this
+    # worker inside the engine's collective_rpc for good.
+    comm = build_within(
+        lambda: PyNcclCommunicator(StatelessProcessGroup(rank=rank, world_size=world_size,
+                                                         store=store), device=device),
+        timeout_s, AbortFlag(store), discard=lambda late: late.destroy(),
+        what="the NCCL communicator's set-up (ncclCommInitRank and its warm-up all-reduce)")
     if comm.disabled:
         # PyNccl turns itself into a no-op when it cannot load NCCL; a silent no-op
         # broadcast would leave the engines on old weights.
         raise RuntimeError(f"NCCL is not available in this process (device {device}); "
                            "use sync.transport=cpu")
     return NcclBroadcast(comm, store)
+
+
+def build_within(make: Callable[[], T], timeout_s: float, flag: AbortFlag,
+                 discard: Callable[[T], object], what: str) -> T:
+    """`make()` on a helper thread, waited for at most `timeout_s` and only while no rank
+    has given up on the group (`flag`). Past either, or when `make()` fails, this rank
+    raises the abort mark (the others stop waiting too), then WeightGroupError (or make's
+    own error). A timed-out thread stays blocked in its C call, which nothing can
+    interrupt; whatever it makes if it ever returns is `discard`ed."""
+    lock = threading.Lock()
+    made: list[T] = []
+    failed: list[BaseException] = []
+    done, gave_up = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            value = make()
+        except BaseException as exc:  # handed to the waiting caller, which raises it
+            failed.append(exc)
+        else:
+            with lock:
+                late = gave_up.is_set()
+                made.append(value)
+            if late:
+                _discard_logged(discard, value)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="sluice-weight-group-build").start()
+    try:
+        wait_for_event(done.is_set, timeout_s, 0.02, flag.raised)
+    except (TimeoutError, WeightGroupError) as exc:
+        with lock:
+            gave_up.set()
+            if not made:
+                flag.raise_()
+                raise WeightGroupError(f"{what} did not finish within {timeout_s:.1f}s or another "
+                                       f"rank gave up ({exc}); this rank left the group") from exc
+    if failed:
+        flag.raise_()  # the others would wait in their own set-up for this rank
+        raise failed[0]
+    return made[0]
+
+
+def _discard_logged(discard: Callable[[T], object], value: T) -> None:
+    import logging
+
+    try:
+        discard(value)
+    except Exception as exc:  # a communicator nobody waits for any more: drop it anyway
+        logging.getLogger(__name__).warning("discarding a late weight-group communicator: %s", exc)
 
 
 def build_store(host: str, port: int, timeout_s: float,
