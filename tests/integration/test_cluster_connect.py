@@ -1,6 +1,7 @@
 """cluster.address (issue 13, finding 6): 'local' starts a private Ray cluster even when
 another one runs on the machine and RAY_ADDRESS points at it; joining takes an explicit
-address; an address nothing answers at is a one-line config error within seconds.
+address, and forwards the driver's NCCL/gloo settings to the workers; an address nothing
+answers at is a one-line config error within seconds.
 
 The outside cluster is a real `ray start --head` with its own temp folder (so no other
 test on this machine can find it) and is stopped by killing its own processes, never
@@ -105,6 +106,32 @@ def _gone_soon(session: str, timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.5)
     return False
+
+
+ENV_PROBE = """
+import json, os, sys
+import ray
+from trainer.run.pools import join_cluster
+join_cluster(sys.argv[1])
+seen = ray.get(ray.remote(num_cpus=1, resources={"outside": 1})(
+    lambda: {k: os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME",
+                                          "SLUICE_NOT_FORWARDED")}).remote())
+print(json.dumps(seen))
+"""
+
+
+def test_a_joining_driver_forwards_its_collective_settings_to_the_workers(tmp_path, outside_cluster):
+    """The outside cluster's node was started without them: only the driver has them."""
+    address, _ = outside_cluster
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(ROOT), NCCL_SOCKET_IFNAME="lo", NCCL_DEBUG="WARN",
+               GLOO_SOCKET_IFNAME="lo", SLUICE_NOT_FORWARDED="1")
+    proc = subprocess.run([sys.executable, "-c", ENV_PROBE, address], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN", "GLOO_SOCKET_IFNAME": "lo",
+        "SLUICE_NOT_FORWARDED": None}
 
 
 def test_an_address_nothing_answers_at_is_a_clear_error(monkeypatch):

@@ -2,7 +2,8 @@
 written for: parsed, every pool of recipes/swe_grpo.yaml packed onto the nodes they start
 (with the doctor's own packing, launch.doctor.check_pool_resources), the sandbox resource
 offered where the recipe needs it, the shared paths mounted, a memory volume at /dev/shm on
-every GPU group, the RayJob's cluster equal to the RayCluster. Each validator is also shown to fail on a broken copy."""
+every GPU group, the NCCL/gloo settings' ConfigMap on the head and every GPU group, the
+RayJob's cluster equal to the RayCluster. Each validator is also shown to fail on a broken copy."""
 
 from __future__ import annotations
 
@@ -41,6 +42,11 @@ def _start_resources(params: dict, sandbox_resource: str) -> dict[str, float]:
     return resources
 
 
+def _takes_collective_env(container: dict) -> bool:
+    return any(e.get("configMapRef", {}) == {"name": "sluice-collectives", "optional": True}
+               for e in container.get("envFrom", []))
+
+
 def _mounts_memory_at_dev_shm(pod: dict, container: dict) -> bool:
     memory = {v["name"] for v in pod.get("volumes", [])
               if v.get("emptyDir", {}).get("medium") == "Memory"}
@@ -70,6 +76,9 @@ def cluster_spec_problems(spec: dict, cfg) -> list[str]:
         mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
         if resources["GPU"] and not any(cfg.model.path.startswith(m + "/") for m in mounts):
             problems.append(f"group {name}: model.path {cfg.model.path} is not on a mounted volume")
+        if resources["GPU"] and not _takes_collective_env(container):
+            problems.append(f"group {name}: no NCCL/gloo settings (envFrom the optional "
+                            "ConfigMap sluice-collectives)")
         if resources["GPU"] and not _mounts_memory_at_dev_shm(g["template"]["spec"], container):
             problems.append(f"group {name}: no memory volume at /dev/shm (a pod's own is 64 MiB; "
                             "vLLM's TP workers, NCCL and Ray need GBs there)")
@@ -80,6 +89,9 @@ def cluster_spec_problems(spec: dict, cfg) -> list[str]:
     sandbox = groups.get("sandbox", {}).get("rayStartParams", {})
     if cfg.cluster.sandbox_resource not in _start_resources(sandbox, "") if sandbox else True:
         problems.append(f"the sandbox group does not offer '{cfg.cluster.sandbox_resource}'")
+    if not _takes_collective_env(spec["headGroupSpec"]["template"]["spec"]["containers"][0]):
+        problems.append("the head (the driver, which forwards them to every worker) gets no "
+                        "NCCL/gloo settings (envFrom the optional ConfigMap sluice-collectives)")
     head_mounts = [m["mountPath"] for m in
                    spec["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"]]
     if not any(cfg.envs.tasks.startswith(m + "/") for m in head_mounts):
@@ -109,6 +121,11 @@ def test_raycluster_validator_catches_a_short_or_mislabelled_cluster(swe):
     assert [p for p in cluster_spec_problems(no_shm, swe) if "/dev/shm" in p] == [
         "group judge: no memory volume at /dev/shm (a pod's own is 64 MiB; vLLM's TP workers, "
         "NCCL and Ray need GBs there)"]
+    no_env = copy.deepcopy(spec)
+    del no_env["headGroupSpec"]["template"]["spec"]["containers"][0]["envFrom"]
+    assert [p for p in cluster_spec_problems(no_env, swe) if "NCCL" in p] == [
+        "the head (the driver, which forwards them to every worker) gets no NCCL/gloo settings "
+        "(envFrom the optional ConfigMap sluice-collectives)"]
     fewer_gpus = copy.deepcopy(spec)
     next(g for g in fewer_gpus["workerGroupSpecs"] if g["groupName"] == "rollout")["replicas"] = 3
     assert any(p.startswith("pool ") for p in cluster_spec_problems(fewer_gpus, swe))

@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -149,14 +149,33 @@ def connect_cluster(cfg: SluiceConfig) -> None:
     join_cluster(c.address)
 
 
+# Settings of the collective libraries (which network interface, which InfiniBand HCAs,
+# how much NCCL logs). A Ray worker inherits the environment of its node's `ray start`, not
+# the driver's, so a driver that joins a cluster hands these to every worker of its run.
+FORWARDED_ENV_PREFIXES = ("NCCL_",)
+FORWARDED_ENV_NAMES = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
+def collective_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` a joining driver forwards to its workers."""
+    return {k: v for k, v in environ.items()
+            if k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES}
+
+
 def join_cluster(address: str, *, log_to_driver: bool = True) -> None:
-    """Join the running Ray cluster at `address` ('auto', 'host:port', 'ray://host:port');
-    ClusterConnectionError, saying what to start or fix, when none answers there."""
+    """Join the running Ray cluster at `address` ('auto', 'host:port', 'ray://host:port'),
+    forwarding the driver's collective settings (`collective_env`: they win over a node's
+    own) to the run's workers; ClusterConnectionError, saying what to start or fix, when
+    none answers there."""
     import ray
 
     _check_reachable(address)
+    forwarded = collective_env(os.environ)
+    runtime_env = {"env_vars": forwarded} if forwarded else None
+    if forwarded:
+        log.info("forwarding %s to every worker of this run", ", ".join(sorted(forwarded)))
     try:
-        ray.init(address=address, log_to_driver=log_to_driver)
+        ray.init(address=address, log_to_driver=log_to_driver, runtime_env=runtime_env)
         return
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = exc
@@ -171,7 +190,7 @@ def join_cluster(address: str, *, log_to_driver: bool = True) -> None:
     if maybe_enable_token_auth_if_token_available(warn_if_disabled=False):
         ray.shutdown()
         try:
-            ray.init(address=address, log_to_driver=log_to_driver)
+            ray.init(address=address, log_to_driver=log_to_driver, runtime_env=runtime_env)
             return
         except (ConnectionError, RuntimeError, ValueError) as exc:
             first = exc
