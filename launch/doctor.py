@@ -13,6 +13,12 @@ checks a running Ray cluster against a recipe before a run, and prints what is m
                 shared: every node reads a marker file the driver wrote there
     ports       GPU nodes accept TCP connections from each other on kernel-picked ports
                 (NCCL, DeepSpeed's rendezvous and the weight group's store use such ports)
+    collective  the weight group's own code (rollout.weight_group) forms a group of one
+                rank per node that would join it, with the run's transport (NCCL between
+                GPU nodes, gloo on a CPU cluster) and the NCCL/gloo settings the driver
+                forwards, and broadcasts a tensor that every rank must receive intact,
+                bounded by sync.timeout_s; GPU nodes without a CUDA device (logical GPUs)
+                are reported as skipped, with what would be checked
 
 Exit status 0 when nothing is missing, 1 otherwise, 2 for a recipe error, 3 when no Ray
 cluster answers at the address. The checks are
@@ -37,6 +43,7 @@ from trainer.run.pools import PoolSpec, plan_pools
 
 if TYPE_CHECKING:
     from envs.sandbox.engine import ContainerEngine
+    from rollout.weight_group import CommBackend
 
 MAX_IMAGES = 200  # distinct task images probed per node
 MAX_SOURCE_DIRS = 50  # task source folders probed per sandbox node
@@ -275,11 +282,11 @@ def live_nodes() -> list[Node]:
             for n in ray.nodes() if n.get("Alive")]
 
 
-def _on_node(node: Node, fn: Any) -> Any:  # Any: a Ray remote function or actor class, untyped
+def _on_node(node: Node, fn: Any, **options: Any) -> Any:  # Any: a Ray remote function or actor class, untyped
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return fn.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node.node_id, soft=False))
+        node.node_id, soft=False), **options)
 
 
 class _Listener:
@@ -344,6 +351,121 @@ def probe_ports(gpu_nodes: Sequence[Node]) -> dict[tuple[str, str], bool]:
     return results
 
 
+# --- collective ----------------------------------------------------------------------------
+
+PROBE_VALUE = 7.0
+PROBE_NUMEL = 1 << 20  # 4 MiB of float32: more than a socket buffer, so the bytes really move
+
+
+class _GroupMember:
+    """One rank of the doctor's test group, pinned to a node: rank 0 also serves the
+    group's store. Runs the same join and broadcast as a weight push."""
+
+    def __init__(self) -> None:
+        self._store: Any = None
+
+    def has_cuda(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
+    def serve(self, timeout_s: float) -> tuple[str, int]:
+        import ray
+
+        from rollout.weight_group import build_store
+        from trainer.train.weight_sync_nccl import open_listen_socket
+
+        host = ray.util.get_node_ip_address()
+        sock = open_listen_socket(host)
+        port = int(sock.getsockname()[1])
+        self._store = build_store(host, port, timeout_s, listen_socket=sock)
+        return host, port
+
+    def broadcast(self, backend: CommBackend, host: str, port: int, rank: int, world_size: int,
+                  timeout_s: float) -> str | None:
+        """None when this rank received the tensor intact; else what went wrong."""
+        import torch
+
+        from rollout.weight_group import (Deadline, abort_quietly, bounded_broadcast,
+                                          build_store, build_weight_communicator)
+
+        comm = None
+        try:
+            store = self._store or build_store(host, port, timeout_s)
+            device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+            comm = build_weight_communicator(backend, store, rank, world_size, device, timeout_s)
+            tensor = torch.full((PROBE_NUMEL,), PROBE_VALUE if rank == 0 else 0.0, device=device)
+            bounded_broadcast(comm, tensor, Deadline(timeout_s))
+            wrong = int((tensor != PROBE_VALUE).sum())
+            return f"{wrong:,} of {PROBE_NUMEL:,} values arrived wrong" if wrong else None
+        except Exception as exc:  # reported as the check's finding, per node
+            return f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            abort_quietly(comm)
+
+
+def collective_nodes(cfg: SluiceConfig, nodes: Sequence[Node]) -> tuple[str, list[Node]]:
+    """The weight group's transport and the nodes that would join it: the GPU nodes for
+    NCCL, the nodes without the sandbox resource for gloo, none for the cpu transport."""
+    from trainer.train.weight_sync import resolve_transport
+
+    try:
+        transport = resolve_transport(cfg)
+    except ValueError:
+        return "nccl", []
+    if transport == "nccl":
+        return transport, [n for n in nodes if n.offers("GPU") > 0]
+    if transport == "gloo":
+        return transport, [n for n in nodes if n.offers(cfg.cluster.sandbox_resource) == 0
+                           and n.offers("CPU") > 0]
+    return transport, []
+
+
+def probe_collective(cfg: SluiceConfig, nodes: Sequence[Node]) -> list[Check]:
+    """A broadcast over the run's weight transport between one rank per node that joins it."""
+    import ray
+
+    from trainer.run.pools import collective_env
+
+    transport, members = collective_nodes(cfg, nodes)
+    if transport == "cpu":
+        return [Check(True, "collective", "sync.transport resolves to cpu: the weights travel "
+                      "through Ray, no collective group to check")]
+    forwarded = collective_env(os.environ)  # what a run's driver would forward
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(forwarded.items())) or \
+        "no NCCL_*/GLOO_SOCKET_IFNAME set on the driver"
+    what = (f"a {transport} broadcast of {PROBE_NUMEL * 4 >> 20} MiB from one node to the "
+            f"others ({settings})")
+    if len(members) < 2:
+        return [Check(True, "collective", f"fewer than two nodes join the weight group: would "
+                      f"check {what}")]
+    actor = ray.remote(_GroupMember)
+    ranks = [_on_node(n, actor, num_gpus=1 if transport == "nccl" else 0,
+                      runtime_env={"env_vars": forwarded}).remote() for n in members]
+    timeout_s = cfg.sync.timeout_s
+    try:
+        if transport == "nccl":
+            cuda = ray.get([r.has_cuda.remote() for r in ranks])
+            if not all(cuda):
+                labels = node_labels(members)
+                without = [labels[n.node_id] for n, ok in zip(members, cuda) if not ok]
+                return [Check(True, "collective", f"skipped: no GPU (CUDA sees no device on "
+                              f"{_few(without)}; logical GPUs only): would check {what}")]
+        host, port = ray.get(ranks[0].serve.remote(timeout_s))
+        problems = ray.get([r.broadcast.remote(transport, host, port, i, len(ranks), timeout_s)
+                            for i, r in enumerate(ranks)], timeout=timeout_s + 60)
+    finally:
+        for r in ranks:
+            ray.kill(r)
+    labels = node_labels(members)
+    failed = {labels[n.node_id]: p for n, p in zip(members, problems) if p}
+    if failed:
+        return [Check(False, "collective", f"{what} failed on {len(failed)} of {len(members)} "
+                      f"nodes ({_first(failed)}); check the interface (NCCL_SOCKET_IFNAME / "
+                      f"GLOO_SOCKET_IFNAME), the firewall between nodes, NCCL_DEBUG=INFO's log")]
+    return [Check(True, "collective", f"{what}: every one of {len(members)} nodes received it")]
+
+
 def run_doctor(cfg: SluiceConfig) -> list[Check]:
     """Every check against the Ray cluster this process is connected to."""
     import ray
@@ -382,6 +504,7 @@ def run_doctor(cfg: SluiceConfig) -> list[Check]:
                           paths, {})
     checks += check_paths(named, {}, markers)
     checks += check_ports(probe_ports([n for n in nodes if n.offers("GPU") > 0]))
+    checks += probe_collective(cfg, nodes)
     return checks
 
 

@@ -48,6 +48,28 @@ def test_a_fitting_recipe_passes_every_check(cluster, tmp_path, capsys):
             "logging.output_dir shared"} <= whats
     ports = next(c for c in checks if c.what == "ports")
     assert "2 pairs" in ports.detail  # the two GPU nodes, both ways
+    # Logical GPUs: NCCL cannot run here, and the doctor says what it would check.
+    collective = next(c for c in checks if c.what == "collective")
+    assert collective.detail.startswith("skipped: no GPU (CUDA sees no device on "), collective.detail
+    assert "would check a nccl broadcast of 4 MiB" in collective.detail
+
+
+def test_the_weight_groups_own_broadcast_runs_between_the_nodes_that_join_it(cluster, tmp_path,
+                                                                             monkeypatch):
+    """On a CPU cluster (sync.transport=gloo) the check is real: one rank on each node
+    without the sandbox resource (head and the two others), rollout.weight_group's join and
+    bounded broadcast, the driver's gloo interface setting forwarded to them."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    cpu = _recipe(tmp_path, "cluster.device=cpu", "sync.transport=gloo", "sync.timeout_s=60")
+    check = next(c for c in run_doctor(cpu) if c.what == "collective")
+    assert check.ok and "every one of 3 nodes received it" in check.detail, check.detail
+    assert "GLOO_SOCKET_IFNAME=lo" in check.detail
+    # An interface that does not exist: the group cannot form, within the bound, and the
+    # check says what to look at.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "sluice-no-such-if0")
+    short = _recipe(tmp_path, "cluster.device=cpu", "sync.transport=gloo", "sync.timeout_s=10")
+    broken = next(c for c in run_doctor(short) if c.what == "collective")
+    assert not broken.ok and "GLOO_SOCKET_IFNAME" in broken.detail, broken.detail
 
 
 def test_what_is_missing_is_named(cluster, tmp_path):
