@@ -11,6 +11,9 @@ checks a running Ray cluster against a recipe before a run, and prints what is m
     paths       model.path (and the judge's) on every node that hosts engines or train
                 ranks; logging.output_dir (and the cache, when a warm start writes to it)
                 shared: every node reads a marker file the driver wrote there
+    gpu stack   on every GPU node: the NVIDIA driver is new enough for the CUDA torch was
+                built for (else what to install, or CUDA forward compatibility), and the
+                NCCL and nvcc versions beside it (launch.gpu_stack)
     ports       GPU nodes accept TCP connections from each other on kernel-picked ports
                 (NCCL, DeepSpeed's rendezvous and the weight group's store use such ports)
     collective  the weight group's own code (rollout.weight_group) forms a group of one
@@ -38,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launch.checks import Check
+from launch.gpu_stack import check_gpu_stacks, probe_gpu_stack
 from trainer.run.config import SluiceConfig
 from trainer.run.pools import PoolSpec, plan_pools
 
@@ -69,11 +74,6 @@ class Node:
         return float(self.resources.get(resource, 0.0))
 
 
-@dataclass(frozen=True, slots=True)
-class Check:
-    ok: bool
-    what: str  # e.g. "pool rollout", "image swe/x:1", "model.path"
-    detail: str  # what was found, or what is missing and how to fix it
 
 
 # --- resources ------------------------------------------------------------------------------
@@ -503,7 +503,11 @@ def run_doctor(cfg: SluiceConfig) -> list[Check]:
     checks += check_paths({ip: r for ip, r in named.items() if by_ip[ip] in engine_nodes},
                           paths, {})
     checks += check_paths(named, {}, markers)
-    checks += check_ports(probe_ports([n for n in nodes if n.offers("GPU") > 0]))
+    gpu_nodes = [n for n in nodes if n.offers("GPU") > 0]
+    if gpu:
+        stacks = ray.get([_on_node(n, ray.remote(probe_gpu_stack)).remote() for n in gpu_nodes])
+        checks += check_gpu_stacks(dict(zip([labels[n.node_id] for n in gpu_nodes], stacks)))
+    checks += check_ports(probe_ports(gpu_nodes))
     checks += probe_collective(cfg, nodes)
     return checks
 

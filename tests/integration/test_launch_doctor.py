@@ -48,7 +48,9 @@ def test_a_fitting_recipe_passes_every_check(cluster, tmp_path, capsys):
             "logging.output_dir shared"} <= whats
     ports = next(c for c in checks if c.what == "ports")
     assert "2 pairs" in ports.detail  # the two GPU nodes, both ways
-    # Logical GPUs: NCCL cannot run here, and the doctor says what it would check.
+    # Logical GPUs: no driver, no NCCL here, and the doctor says what it would check.
+    stack = next(c for c in checks if c.what == "gpu stack")
+    assert stack.detail.startswith("skipped: no GPU (no NVIDIA driver on any of the 2 GPU nodes")
     collective = next(c for c in checks if c.what == "collective")
     assert collective.detail.startswith("skipped: no GPU (CUDA sees no device on "), collective.detail
     assert "would check a nccl broadcast of 4 MiB" in collective.detail
