@@ -125,8 +125,9 @@ class FakeLLM:
             return self.canned
         return [getattr(w, method)(*args) for w in self.workers]
 
-    async def reset_prefix_cache(self) -> None:
-        pass
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_connector: bool = False) -> bool:
+        return True  # nothing holds KV blocks here
 
 
 def engine_over(llm: FakeLLM) -> VLLMEngine:
