@@ -53,9 +53,22 @@ DEEPSPEED_CHECKPOINT = textwrap.dedent("""
 
 
 def export(checkpoint: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """The documented command, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "trainer.export", str(checkpoint), str(out),
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def export_here(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the same command's main in this process: the
+    command's own start is checked once (`exported`), a fresh interpreter per case costs
+    seconds of imports."""
+    from trainer.run.export import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def reference_model(tiny_model_path: Path, weights: dict[str, torch.Tensor]):
@@ -159,7 +172,7 @@ def test_vllm_loads_the_export_and_scores_like_transformers(exported, prompt_ids
 
 
 def test_a_deepspeed_zero2_checkpoint_exports_its_trained_weights(tmp_path, tiny_model_path,
-                                                                  prompt_ids):
+                                                                  prompt_ids, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -174,8 +187,8 @@ def test_a_deepspeed_zero2_checkpoint_exports_its_trained_weights(tmp_path, tiny
     checkpoint = tmp_path / "ckpt" / "step-000001"
     assert any((checkpoint / "backend" / "state").glob("zero_pp_rank_*_optim_states.pt"))
     out = tmp_path / "hf"
-    done = export(checkpoint, out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, _, err = export_here(capsys, checkpoint, out)
+    assert code == 0, err[-3000:]
     got = logits_of(AutoModelForCausalLM.from_pretrained(out).eval(), prompt_ids)
     trained = logits_of(reference_model(tiny_model_path, load_file(pushed)), prompt_ids)
     base = logits_of(AutoModelForCausalLM.from_pretrained(tiny_model_path).eval(), prompt_ids)
@@ -183,10 +196,9 @@ def test_a_deepspeed_zero2_checkpoint_exports_its_trained_weights(tmp_path, tiny
     assert torch.allclose(got, trained, atol=1e-5)
 
 
-def test_export_errors_are_one_line(torch_checkpoint, exported, tmp_path):
-    proc = export(torch_checkpoint[0], exported)
-    assert proc.returncode == 2 and proc.stderr.strip() == \
-        f"export error: {exported} exists; export into a new folder"
-    proc = export(tmp_path, tmp_path / "out")
-    assert proc.returncode == 2 and "is not a complete sluice checkpoint" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_export_errors_are_one_line(torch_checkpoint, exported, tmp_path, capsys):
+    code, _, err = export_here(capsys, torch_checkpoint[0], exported)
+    assert code == 2 and err.strip() == f"export error: {exported} exists; export into a new folder"
+    code, _, err = export_here(capsys, tmp_path, tmp_path / "out")
+    assert code == 2 and "is not a complete sluice checkpoint" in err
+    assert len(err.strip().splitlines()) == 1  # one line, no traceback

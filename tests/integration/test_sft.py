@@ -43,7 +43,9 @@ def test_a_short_supervised_pass_lowers_the_loss(tiny_model_path, tmp_path):
     rng = random.Random(0)
     examples = [build_sft_example(tok, chat, demo(rng.randint(0, 99), rng.randint(0, 99)))
                 for _ in range(64)]
-    result = run_sft(tiny_model_path, tmp_path / "warm", examples, steps=40, batch_size=16)
+    # 20 steps of 8 take the loss to about a third of its start (0.33-0.34 over seeds 0-2);
+    # the bound is half.
+    result = run_sft(tiny_model_path, tmp_path / "warm", examples, steps=20, batch_size=8)
     assert result.last_loss < 0.5 * result.first_loss
     model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -75,11 +75,11 @@ def test_parse_argv_splits_recipe_overrides_and_flags():
     assert parse_argv(["recipe=a.yaml", "x.y=1", "--dry-run"]) == ("a.yaml", ["x.y=1"], True, False)
 
 
-def test_dry_run_looks_for_the_checkpoint_to_resume_as_the_run_does(tmp_path):
-    proc = _run("recipe=quickstart.yaml", f"logging.output_dir={tmp_path}",
-                "checkpoint.resume_from=latest", "--dry-run")
-    assert proc.returncode == 2, proc.stderr
-    assert f"checkpoint.resume_from=latest: no checkpoint under {tmp_path}/quickstart-*" in proc.stderr
+def test_dry_run_looks_for_the_checkpoint_to_resume_as_the_run_does(tmp_path, capsys):
+    assert main(["recipe=quickstart.yaml", f"logging.output_dir={tmp_path}",
+                 "checkpoint.resume_from=latest", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.resume_from=latest: no checkpoint under {tmp_path}/quickstart-*" in err
 
 
 def test_a_misspelled_plugin_fails_first_without_vllm_or_the_config_dump():
