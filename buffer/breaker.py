@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 _VARYING = [(re.compile(r"'[^']*'|\"[^\"]*\""), "'…'"),  # quoted names and paths
             (re.compile(r"0x[0-9a-fA-F]+|\d+(\.\d+)?"), "N")]
-FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT)
+# A group none of whose samples ended on its own: they failed, timed out, or were all cut
+# by the group's deadline (a deadline no group meets must stop the run, not loop).
+FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT, TerminationReason.DEADLINE)
 
 
 def failure_signature(message: str) -> str:

@@ -12,6 +12,12 @@ Two mechanisms keep off-policy data within `buffer.max_staleness` (eta) versions
   it is taken is dropped (counted, broken down by length and turns, so a bias against
   long trajectories shows up in the metrics).
 
+Stragglers (`buffer.group_deadline_s`): a group whose deadline cut some samples
+(TerminationReason.DEADLINE) is dropped, or under `straggler_policy: partial` trained on
+its finished samples when at least `min_group_size` finished, the cut ones masked and
+outside the baseline (Group.in_baseline). Cut samples are counted by the turns and tokens
+they had reached, the length bias a deadline introduces.
+
 Every admitted group is accounted for: admitted = trained + dropped + running + buffered
 + in training (`check_accounting`). The buffer owns its checkpointed state (`state()`,
 `restore()`): the buffered groups and the totals, so counters continue across resumes;
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -32,7 +38,8 @@ from buffer.batch import is_zero_variance
 from envs.types import NO_VERSION, Group, TerminationReason, Trajectory
 
 FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT)
-DropReason = Literal["stale", "failed", "zero_variance", "resubmits_exhausted"]
+DropReason = Literal["stale", "failed", "zero_variance", "resubmits_exhausted", "deadline"]
+StragglerPolicy = Literal["wait", "drop", "partial"]
 PutOutcome = Literal["buffered", "dropped", "resubmit"]
 
 
@@ -52,6 +59,11 @@ class BufferStats:
     masked_trajectories: int
     stale_by_turns: dict[int, int]  # evicted groups by the max turns of their trajectories
     stale_by_length: dict[str, int]  # evicted groups by response-length bucket
+    # Group deadlines: late_groups (returned after it; under `wait` all of them trained),
+    # cut_samples, partial_groups (trained on their finished samples)
+    deadline: dict[str, int] = field(default_factory=dict)
+    cut_by_turns: dict[int, int] = field(default_factory=dict)  # cut samples by turns reached
+    cut_by_length: dict[str, int] = field(default_factory=dict)  # ... by response tokens reached
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,7 @@ class BufferState:
     resubmitted: int
     masked_trajectories: int
     attempts: dict[str, int]  # resubmissions per task id
+    deadline: dict[str, int] = field(default_factory=dict)  # BufferStats.deadline
 
 
 def mask_trajectory(t: Trajectory) -> Trajectory:
@@ -86,14 +99,19 @@ def length_bucket(tokens: float) -> str:
 class ReplayBuffer:
     def __init__(self, *, max_staleness: int, groups_per_step: int,
                  failure_policy: Literal["mask", "drop", "resubmit"] = "mask",
-                 max_resubmits: int = 2, filter_zero_variance: bool = False) -> None:
+                 max_resubmits: int = 2, filter_zero_variance: bool = False,
+                 straggler_policy: StragglerPolicy = "wait", min_group_size: int = 2) -> None:
         if max_staleness < 0 or groups_per_step < 1:
             raise ValueError("need buffer.max_staleness >= 0 and train.groups_per_step >= 1")
+        if min_group_size < 2:
+            raise ValueError("need buffer.min_group_size >= 2: a baseline needs two samples")
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
         self.failure_policy = failure_policy
         self.max_resubmits = max_resubmits
         self.filter_zero_variance = filter_zero_variance
+        self.straggler_policy = straggler_policy
+        self.min_group_size = min_group_size
         self._groups: deque[Group] = deque()  # oldest first
         self._admitted = self._running = self._trained = self._resubmitted = 0
         self._in_training = 0  # taken for the step in progress
@@ -102,6 +120,9 @@ class ReplayBuffer:
         self._attempts: Counter[str] = Counter()  # resubmissions per task id
         self._stale_by_turns: Counter[int] = Counter()
         self._stale_by_length: Counter[str] = Counter()
+        self._deadline: Counter[str] = Counter()
+        self._cut_by_turns: Counter[int] = Counter()
+        self._cut_by_length: Counter[str] = Counter()
 
     @property
     def capacity(self) -> int:
@@ -125,11 +146,23 @@ class ReplayBuffer:
         self._running += 1
         return True
 
-    def put(self, group: Group) -> PutOutcome:
+    def put(self, group: Group, *, late: bool = False) -> PutOutcome:
         """A running group came back terminal: buffer it, drop it, or ask for a resubmit.
-        On "resubmit" the slot stays reserved (running) for the task's next attempt."""
+        On "resubmit" the slot stays reserved (running) for the task's next attempt.
+        `late`: it came back after its deadline (counted; under `wait` it is not cut)."""
         if self._running <= 0:
             raise AccountingError(f"group {group.group_id} returned but none was running")
+        self._deadline["late_groups"] += late
+        cut = [t for t in group.trajectories if t.termination is TerminationReason.DEADLINE]
+        if cut:
+            self._count_cut(cut)
+            if (self.straggler_policy != "partial"
+                    or group.num_samples - len(cut) < self.min_group_size):
+                return self._drop("deadline")
+            group = Group(group.task_id, group.group_id, tuple(
+                mask_trajectory(t) if t.termination is TerminationReason.DEADLINE else t
+                for t in group.trajectories))
+            self._deadline["partial_groups"] += 1
         failed = [t for t in group.trajectories if t.termination in FAILED]
         if failed and self.failure_policy == "resubmit":
             if self._attempts[group.task_id] < self.max_resubmits:
@@ -140,16 +173,22 @@ class ReplayBuffer:
         if failed and self.failure_policy == "drop":
             return self._drop("failed")
         if failed:  # mask
-            if len(failed) == group.size:
+            if len(failed) + len(cut) == group.size:  # nothing left to train
                 return self._drop("failed")
             group = Group(group.task_id, group.group_id, tuple(
                 mask_trajectory(t) if t.termination in FAILED else t for t in group.trajectories))
             self._masked += len(failed)
-        if self.filter_zero_variance and is_zero_variance(group.rewards()):
+        if self.filter_zero_variance and is_zero_variance(group.rewards()[group.in_baseline()]):
             return self._drop("zero_variance")
         self._running -= 1
         self._groups.append(group)
         return "buffered"
+
+    def _count_cut(self, cut: list[Trajectory]) -> None:
+        self._deadline["cut_samples"] += len(cut)
+        for t in cut:
+            self._cut_by_turns[len(t.turns)] += 1
+            self._cut_by_length[length_bucket(len(t.response_ids))] += 1
 
     def drop_running(self, reason: str) -> None:
         """A running group that will never come back (its worker died, its reward failed)."""
@@ -205,7 +244,7 @@ class ReplayBuffer:
             raise AccountingError("state() during a step: end_step() or give_back() first")
         return BufferState(tuple(self._groups), self._admitted - self._running, self._trained,
                            dict(self._dropped), self._resubmitted, self._masked,
-                           dict(self._attempts))
+                           dict(self._attempts), dict(self._deadline))
 
     def restore(self, state: BufferState) -> None:
         """Continue from a checkpoint: its groups buffered, its totals carried on."""
@@ -216,6 +255,7 @@ class ReplayBuffer:
         self._dropped.update(state.dropped)
         self._resubmitted, self._masked = state.resubmitted, state.masked_trajectories
         self._attempts.update(state.attempts)
+        self._deadline.update(getattr(state, "deadline", {}))  # absent in older checkpoints
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -233,4 +273,5 @@ class ReplayBuffer:
     def stats(self) -> BufferStats:
         return BufferStats(self._admitted, self._running, len(self._groups), self._trained,
                            self._in_training, dict(self._dropped), self._resubmitted, self._masked,
-                           dict(self._stale_by_turns), dict(self._stale_by_length))
+                           dict(self._stale_by_turns), dict(self._stale_by_length),
+                           dict(self._deadline), dict(self._cut_by_turns), dict(self._cut_by_length))

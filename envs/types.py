@@ -42,6 +42,8 @@ class TerminationReason(str, enum.Enum):
     CONTEXT_FULL = "context_full"  # the next prompt would exceed model.max_context_tokens
     TIMEOUT = "timeout"  # agent.trajectory_timeout_s reached
     ERROR = "error"  # an exception inside the trajectory; the message is kept
+    DEADLINE = "deadline"  # cut unfinished by its group's deadline (buffer.group_deadline_s):
+    # never trained, outside its group's baseline
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,6 +507,13 @@ class Group:
             raise ValueError(f"group {self.group_id}: trajectories {missing} have no reward yet")
         by_index = {t.index: t.reward for t in self.trajectories}
         return np.array([by_index[i] for i in range(len(by_index))], dtype=np.float32)
+
+    def in_baseline(self) -> np.ndarray:
+        """bool per sample (index order): False for a sample its group's deadline cut
+        (TerminationReason.DEADLINE), which has no reward of its own: the GRPO baseline,
+        the zero-variance check and the reward metrics are over the others."""
+        cut = {t.index for t in self.trajectories if t.termination is TerminationReason.DEADLINE}
+        return np.array([i not in cut for i in range(self.num_samples)], dtype=bool)
 
     def sample_of_rows(self) -> np.ndarray:
         """int64 per row: the sample (index into `rewards()`) each trajectory belongs to."""

@@ -16,6 +16,7 @@ numbers them (`Trajectory.segment`); the group's baseline is then taken over sam
 This is the one place where a trajectory's failure is caught: an exception anywhere in an
 agent loop or its tools ends that trajectory with `error` (message kept), and the
 wall-clock limit ends it with `timeout`; both keep what the trajectory produced so far.
+A sample its group's deadline cuts (rollout.deadline) ends with `deadline`, unscored.
 A failing reward function fails its trajectory only (reward.loop). The worker itself
 never fails because of a trajectory. A thin Ray actor hosts it.
 """
@@ -39,6 +40,7 @@ from reward.loop import RewardLoop
 from rollout.agent_loop import AgentContext, LoopSettings, execute_tool, load_agent_loop
 from rollout.loop_watch import LoopWatchdog, ToolActivity
 from rollout.chat import ContinuityBuilder
+from rollout.deadline import DeadlineCut, absorb_cut, gather_by_deadline
 from rollout.gate import TurnGate
 from rollout.recorder import BudgetExhausted
 from rollout.gateway.server import GatewayStats, sum_gateway_stats
@@ -105,20 +107,26 @@ class AgentLoopWorker:
         self.envs.check_task(task)
         self.rewards.fn_for(task)
 
-    async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
-        """G scored trajectories of `task`."""
+    async def run_group(self, task: Task, group_id: str, group_size: int,
+                        deadline_s: float | None = None) -> Group:
+        """G scored trajectories of `task`. With `deadline_s`, the samples still running
+        that long after the call are cut (rollout.deadline): each comes back as one
+        unscored `deadline` trajectory holding what it had produced."""
         self.check_task(task)
-        samples = await asyncio.gather(
-            *(self.run_sample(task, group_id, i) for i in range(group_size)))
+        cut = DeadlineCut()
+        samples = await gather_by_deadline(
+            [self.run_sample(task, group_id, i, cut) for i in range(group_size)], deadline_s, cut)
         return Group(task.id, group_id, tuple(t for segments in samples for t in segments))
 
     async def run_trajectory(self, task: Task, group_id: str, index: int) -> Trajectory:
         """One scored sample's last (usually only) trajectory."""
         return (await self.run_sample(task, group_id, index))[-1]
 
-    async def run_sample(self, task: Task, group_id: str, index: int) -> list[Trajectory]:
+    async def run_sample(self, task: Task, group_id: str, index: int,
+                         cut: DeadlineCut | None = None) -> list[Trajectory]:
         """One scored sample, as its segments in order: environment, agent loop, release,
-        reward (scored once, shared by every segment)."""
+        reward (scored once, shared by every segment). Cancelled with `cut` set, it
+        returns its cut trajectory instead of raising."""
         self.watchdog.start()
         env = self.envs.build(task)
         ctx = AgentContext(task=task, group_id=group_id, index=index, settings=self.settings,
@@ -126,26 +134,36 @@ class AgentLoopWorker:
                            router=self.router, gate=self.gate, activity=self.activity)
         self._num_running += 1
         try:
-            start = time.monotonic()
-            await env.open()  # waits for a sandbox: not part of the trajectory's own budget
-            self._env_open_s += time.monotonic() - start
-            trajectory = await asyncio.wait_for(self.loop_for(task).run(task, ctx),
-                                                self.trajectory_timeout_s)
-            _check_result(trajectory, ctx)
-        except BudgetExhausted as exc:  # the loop asked for a turn the budgets have no room for
-            trajectory = self._salvage(ctx, exc.reason, str(exc))
-        except TimeoutError:
-            trajectory = self._salvage(ctx, TerminationReason.TIMEOUT,
-                                       f"exceeded agent.trajectory_timeout_s={self.trajectory_timeout_s:g}")
-        except Exception as exc:  # the per-trajectory boundary: nothing escapes to the worker
-            log.warning("trajectory %s failed: %s", ctx.session_id, exc)
-            detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
-            trajectory = self._salvage(ctx, TerminationReason.ERROR, detail)
-        finally:
-            self._num_running -= 1
-            self.router.release(ctx.session_id)
-            workspace = await self._release(env)
-        trajectory = await self.rewards.score(trajectory, task, workspace)
+            try:
+                start = time.monotonic()
+                await env.open()  # waits for a sandbox: not part of the trajectory's own budget
+                self._env_open_s += time.monotonic() - start
+                trajectory = await asyncio.wait_for(self.loop_for(task).run(task, ctx),
+                                                    self.trajectory_timeout_s)
+                _check_result(trajectory, ctx)
+            except BudgetExhausted as exc:  # the loop asked for a turn the budgets have no room for
+                trajectory = self._salvage(ctx, exc.reason, str(exc))
+            except TimeoutError:
+                trajectory = self._salvage(ctx, TerminationReason.TIMEOUT,
+                                           f"exceeded agent.trajectory_timeout_s={self.trajectory_timeout_s:g}")
+            except Exception as exc:  # the per-trajectory boundary: nothing escapes to the worker
+                log.warning("trajectory %s failed: %s", ctx.session_id, exc)
+                detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+                trajectory = self._salvage(ctx, TerminationReason.ERROR, detail)
+            finally:
+                self._num_running -= 1
+                self.router.release(ctx.session_id)
+                # Shielded: a cancellation (a deadline cut, a stop) arriving here still
+                # lets the sandbox go back to its pool.
+                workspace = await asyncio.shield(self._release(env))
+            trajectory = await self.rewards.score(trajectory, task, workspace)
+        except asyncio.CancelledError:
+            if not absorb_cut(cut):
+                raise
+            self._end_reasons[TerminationReason.DEADLINE.value] += 1
+            cut_at = self._salvage(ctx, TerminationReason.DEADLINE,
+                                   "cut unfinished by its group's deadline (buffer.group_deadline_s)")
+            return [dataclasses.replace(cut_at, reward=0.0)]  # outside the baseline: Group.in_baseline
         segments = join_segments(ctx.segments, trajectory, ctx)
         self._end_reasons[trajectory.termination.value] += 1
         self._num_segments += len(segments)

@@ -51,8 +51,9 @@ class AgentWorkerActor:
                                          judge=judge)
         self.node_id = ray.get_runtime_context().get_node_id()
 
-    async def run_group(self, task: Task, group_id: str, group_size: int) -> bytes:
-        group = await self.worker.run_group(task, group_id, group_size)
+    async def run_group(self, task: Task, group_id: str, group_size: int,
+                        deadline_s: float | None = None) -> bytes:
+        group = await self.worker.run_group(task, group_id, group_size, deadline_s)
         return pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
 
     async def close_gate(self) -> None:
@@ -82,10 +83,11 @@ class RayRollout:
         self._load = [0] * len(self.workers)
         self.bytes_received = 0  # pickled groups received by the driver, in all
 
-    async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
+    async def run_group(self, task: Task, group_id: str, group_size: int,
+                        deadline_s: float | None = None) -> Group:
         i = min(range(len(self.workers)), key=self._load.__getitem__)
         self._load[i] += 1
-        ref = self.workers[i].run_group.remote(task, group_id, group_size)
+        ref = self.workers[i].run_group.remote(task, group_id, group_size, deadline_s)
         try:
             blob = await ref
         except asyncio.CancelledError:

@@ -38,6 +38,7 @@ from launch.sim.engine_client import SimEngine
 from launch.sim.engine_model import EngineModel, EngineSpec, SimRequest
 from launch.sim.sandbox_model import ExecTimeModel
 from launch.sim.sides import SimSandboxes
+from rollout.deadline import DeadlineCut, gather_by_deadline
 from rollout.engine import EngineStats, FinishReason, Sampling
 from rollout.worker import AgentLoopWorker, WorkerStats
 from trainer.run.config import SluiceConfig
@@ -155,15 +156,19 @@ class AgentRollout:
         self.end_reasons: Counter[str] = Counter()
         self.num_turns = 0
 
-    async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
+    async def run_group(self, task: Task, group_id: str, group_size: int,
+                        deadline_s: float | None = None) -> Group:
         self.worker.check_task(task)
-        samples = await asyncio.gather(*(self._sample(task, group_id, i) for i in range(group_size)))
+        cut = DeadlineCut()
+        samples = await gather_by_deadline(
+            [self._sample(task, group_id, i, cut) for i in range(group_size)], deadline_s, cut)
         return Group(task.id, group_id, tuple(t for segments in samples for t in segments))
 
-    async def _sample(self, task: Task, group_id: str, index: int) -> list[Trajectory]:
+    async def _sample(self, task: Task, group_id: str, index: int,
+                      cut: DeadlineCut) -> list[Trajectory]:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        segments = await self.worker.run_sample(task, group_id, index)
+        segments = await self.worker.run_sample(task, group_id, index, cut)
         last = segments[-1]
         self.end_reasons[last.termination.value] += 1
         self.num_turns += sum(len(t.turns) for t in segments)

@@ -26,6 +26,7 @@ from launch.sim.engine_client import SimEngine, SimWorld
 from launch.sim.engine_model import SimRequest
 from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel
 from launch.sim.trainer_model import TrainerModel
+from rollout.deadline import DeadlineCut, absorb_cut, gather_by_deadline
 from rollout.engine import EngineStats, Sampling
 from rollout.gate import TurnGate
 from rollout.router import Router
@@ -109,12 +110,15 @@ class SimRollout:
         self._end_reasons: Counter[str] = Counter()
         self._timed_out_tools = 0
 
-    async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
-        trajectories = await asyncio.gather(*(self._trajectory(task, group_id, i)
-                                              for i in range(group_size)))
+    async def run_group(self, task: Task, group_id: str, group_size: int,
+                        deadline_s: float | None = None) -> Group:
+        cut = DeadlineCut()
+        trajectories = await gather_by_deadline(
+            [self._trajectory(task, group_id, i, cut) for i in range(group_size)], deadline_s, cut)
         return Group(task.id, group_id, tuple(trajectories))
 
-    async def _trajectory(self, task: Task, group_id: str, index: int) -> Trajectory:
+    async def _trajectory(self, task: Task, group_id: str, index: int,
+                          cut: DeadlineCut) -> Trajectory:
         session = f"{group_id}/{index}"
         rng = random.Random(f"{self.seed}/{session}")
         part = _Partial(prompt_ids=[2] * self.profile.units(self.profile.prompt_tokens))
@@ -128,6 +132,10 @@ class SimRollout:
             await asyncio.wait_for(self._turns(task, session, part, rng), self.trajectory_timeout_s)
         except TimeoutError:
             reason = TerminationReason.TIMEOUT
+        except asyncio.CancelledError:
+            if not absorb_cut(cut):
+                raise
+            reason = TerminationReason.DEADLINE
         finally:
             self._running -= 1
             self.router.release(session)
@@ -137,7 +145,8 @@ class SimRollout:
         return Trajectory(task.id, group_id, index, np.array(part.prompt_ids, np.int32),
                           np.array(part.ids, np.int32), np.array(part.mask, np.int8),
                           np.array(part.logprobs, np.float32), np.array(part.versions, np.int32),
-                          reason, tuple(part.turns), reward=float(rng.random() < 0.5))
+                          reason, tuple(part.turns),
+                          reward=0.0 if reason is TerminationReason.DEADLINE else float(rng.random() < 0.5))
 
     async def _turns(self, task: Task, session: str, part: _Partial, rng: random.Random) -> None:
         loop, p = asyncio.get_running_loop(), self.profile

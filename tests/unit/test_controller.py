@@ -19,6 +19,7 @@ import pytest
 from buffer.batch import TrainBatch
 from envs.types import Group, Message, Task, TerminationReason, Trajectory, Turn
 from rollout.engine import EngineStats
+from rollout.deadline import DeadlineCut, absorb_cut, gather_by_deadline
 from rollout.gate import TurnGate
 from rollout.worker import WorkerStats
 from trainer.run.controller import Controller, ControllerState, RepeatedFailureError
@@ -33,7 +34,8 @@ class FakeRollout:
     """RolloutSide stand-in: each trajectory runs `turns` turns through a real TurnGate, its
     tokens tagged with the version the (fake) engines serve; reward 1 for even task ids
     and trajectory index 0, so groups have variance. `fail` maps a task id to an exception
-    to raise or a termination to end every trajectory with."""
+    to raise or a termination to end every trajectory with; `slow` a task id (or
+    "task/index", one sample) to the seconds its first tool takes."""
 
     def __init__(self, *, turns: int = 2, turn_s: float = 0.002, slow: Mapping[str, float] = {},
                  fail: Mapping[str, object] = {}, group_size_check: int | None = None) -> None:
@@ -48,7 +50,8 @@ class FakeRollout:
         self.controller: Controller | None = None
         self.peak_alive = 0
 
-    async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
+    async def run_group(self, task: Task, group_id: str, group_size: int,
+                        deadline_s: float | None = None) -> Group:
         self.calls.append((task.id, group_id))
         if self.controller is not None:
             self.peak_alive = max(self.peak_alive, self.controller.buffer.num_alive)
@@ -58,8 +61,9 @@ class FakeRollout:
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
-            trajs = await asyncio.gather(*(self._trajectory(task, group_id, i)
-                                           for i in range(group_size)))
+            cut = DeadlineCut()
+            trajs = await gather_by_deadline([self._trajectory(task, group_id, i, cut)
+                                              for i in range(group_size)], deadline_s, cut)
         except asyncio.CancelledError:
             self.cancelled.append(group_id)
             raise
@@ -70,20 +74,27 @@ class FakeRollout:
                                          f"tool broke on {task.id}") for t in trajs]
         return Group(task.id, group_id, tuple(trajs))
 
-    async def _trajectory(self, task: Task, group_id: str, index: int) -> Trajectory:
+    async def _trajectory(self, task: Task, group_id: str, index: int,
+                          cut: DeadlineCut) -> Trajectory:
         versions, turns = [], []
-        for k in range(self.turns):
-            async with self.gate.turn():
-                v = self.engine_version
-                await asyncio.sleep(self.turn_s)
-                versions.append(v)
-                turns.append(Turn(k, 2, k, 1, 0, "stop", v))
-            if k == 0:  # a slow tool: outside the gate, so pushes go on meanwhile
-                await asyncio.sleep(self.slow.get(task.id, 0.0))
+        ending, reward = TerminationReason.FINISHED, float(int(task.id[1:]) % 2 == 0 and index == 0)
+        try:
+            for k in range(self.turns):
+                async with self.gate.turn():
+                    v = self.engine_version
+                    await asyncio.sleep(self.turn_s)
+                    versions.append(v)
+                    turns.append(Turn(k, 2, k, 1, 0, "stop", v))
+                if k == 0:  # a slow tool: outside the gate, so pushes go on meanwhile
+                    await asyncio.sleep(self.slow.get(task.id, 0.0)
+                                        + self.slow.get(f"{task.id}/{index}", 0.0))
+        except asyncio.CancelledError:
+            if not absorb_cut(cut):
+                raise
+            ending, reward = TerminationReason.DEADLINE, 0.0
         n = len(versions)
-        reward = float(int(task.id[1:]) % 2 == 0 and index == 0)
         return Trajectory(task.id, group_id, index, [1, 2], list(range(3, 3 + n)), [1] * n,
-                          [-0.5] * n, versions, "finished", turns=tuple(turns), reward=reward)
+                          [-0.5] * n, versions, ending, turns=tuple(turns), reward=reward)
 
     async def close_gates(self) -> None:
         await self.gate.close()
@@ -395,3 +406,67 @@ async def test_admission_stops_at_the_sandbox_capacity_times_oversubscription():
     assert ctl.max_running_groups == 2
     await ctl.run()
     assert rollout.peak_in_flight == 2
+
+
+# --- stragglers (buffer.group_deadline_s) ---------------------------------------------
+
+def straggler_run(policy: str, *, slow_s: float = 0.12, **buffer):
+    """Sample 1 of every t1 group takes `slow_s` more than the others (~50 ms a group):
+    past the 0.1 s deadline; the staleness bound is loose enough for a late t1 group to
+    train under `wait` (and tight enough under the others that few t1 groups run at once:
+    a burst of deadline drops trips the breaker)."""
+    fake = FakeRollout(turn_s=0.02, slow={"t1/1": slow_s})
+    return make(fake, steps=10, eta=30 if policy == "wait" else 8, B=2, G=3,
+                envs={"num_sandbox_workers": 1, "sandboxes_per_worker": 6, "num_warm_sandboxes": 0,
+                      "sandbox_oversubscription": 1.0},  # two groups run at once
+                buffer={"group_deadline_s": 0.1, "straggler_policy": policy, **buffer})
+
+
+async def test_under_wait_a_late_group_is_counted_and_trained_whole():
+    ctl, _, trainer = straggler_run("wait")
+    await ctl.run(check_every_step(ctl))
+    trained = [t for b in trainer.batches for t in b.trajectories]
+    assert any(t.task_id == "t1" for t in trained)
+    assert all(t.termination is TerminationReason.FINISHED for t in trained)
+    stats = ctl.buffer.stats()
+    assert stats.deadline.get("late_groups", 0) >= 1 and "cut_samples" not in stats.deadline
+
+
+async def test_under_drop_the_group_is_cut_at_its_deadline_and_dropped():
+    ctl, _, trainer = straggler_run("drop", slow_s=5.0)  # were it waited for, the run would hang
+    summary = await ctl.run(check_every_step(ctl))
+    assert summary.steps == 10
+    assert not any(t.task_id == "t1" for b in trainer.batches for t in b.trajectories)
+    stats = ctl.buffer.stats()
+    assert stats.dropped["deadline"] >= 1
+    assert stats.deadline["cut_samples"] == stats.dropped["deadline"]  # one straggler a group
+    assert stats.cut_by_turns == {1: stats.deadline["cut_samples"]}  # cut in its first tool
+
+
+async def test_under_partial_the_finished_samples_train_and_the_cut_one_is_outside_the_baseline():
+    ctl, _, trainer = straggler_run("partial", slow_s=5.0)
+    await ctl.run(check_every_step(ctl))
+    t1 = [(b, i) for b in trainer.batches for i, t in enumerate(b.trajectories) if t.task_id == "t1"]
+    assert t1 and ctl.buffer.stats().deadline["partial_groups"] >= 1
+    for batch, i in t1:
+        t = batch.trajectories[i]
+        if t.index == 1:  # the straggler: nothing of it trains
+            assert t.termination is TerminationReason.DEADLINE
+            assert t.response_mask.sum() == 0 and batch.advantages[i] == 0.0
+        else:  # rewards 0 and 0 (t1 is odd): a zero-variance baseline of the two finished
+            assert t.termination is TerminationReason.FINISHED and batch.advantages[i] == 0.0
+
+
+async def test_partial_drops_a_group_with_fewer_finished_samples_than_the_minimum():
+    ctl, _, trainer = straggler_run("partial", slow_s=5.0, min_group_size=3)
+    await ctl.run(check_every_step(ctl))
+    assert not any(t.task_id == "t1" for b in trainer.batches for t in b.trajectories)
+    assert ctl.buffer.stats().dropped["deadline"] >= 1
+
+
+async def test_a_deadline_that_drops_every_group_stops_the_run():
+    fake = FakeRollout(turn_s=0.02, slow={f"t{i}/1": 5.0 for i in range(6)})
+    ctl, _, _ = make(fake, steps=10, eta=1, B=2, G=3, breaker=3,
+                     buffer={"group_deadline_s": 0.05, "straggler_policy": "drop"})
+    with pytest.raises(RepeatedFailureError, match="buffer.group_deadline_s"):
+        await ctl.run()

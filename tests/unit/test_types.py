@@ -51,7 +51,7 @@ def test_trajectory_rejects_misaligned_or_inconsistent_arrays(over, message):
 
 def test_every_termination_reason_exists():
     assert {r.value for r in TerminationReason} == {
-        "finished", "max_turns", "max_tokens", "context_full", "timeout", "error"}
+        "finished", "max_turns", "max_tokens", "context_full", "timeout", "error", "deadline"}
 
 
 def test_group_checks_membership_and_rewards():

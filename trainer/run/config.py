@@ -206,6 +206,14 @@ def check_config(cfg: SluiceConfig) -> None:
              "must be >= 1")
     _require(cfg.buffer.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
     _require(cfg.buffer.max_repeated_failures >= 1, "buffer.max_repeated_failures", "must be >= 1")
+    b = cfg.buffer
+    _require(b.group_deadline_s >= 0, "buffer.group_deadline_s", "must be >= 0 seconds (0: none)")
+    _require(b.straggler_policy == "wait" or b.group_deadline_s > 0, "buffer.straggler_policy",
+             f"'{b.straggler_policy}' acts on groups past buffer.group_deadline_s; set "
+             "buffer.group_deadline_s > 0, or use straggler_policy=wait")
+    _require(b.straggler_policy != "partial" or 2 <= b.min_group_size <= t.group_size,
+             "buffer.min_group_size", f"must be in [2, train.group_size={t.group_size}] with "
+             f"straggler_policy=partial, got {b.min_group_size}")
     for key, value in [("eval.num_tasks", cfg.eval.num_tasks),
                        ("eval.samples_per_task", cfg.eval.samples_per_task)]:
         _require(value >= 1, key, f"must be >= 1, got {value}")

@@ -118,7 +118,12 @@ class Controller:
         eta = 0 if cfg.train.mode == "sync" else b.max_staleness
         self.buffer = ReplayBuffer(max_staleness=eta, groups_per_step=cfg.train.groups_per_step,
                                    failure_policy=b.failure_policy, max_resubmits=b.max_resubmits,
-                                   filter_zero_variance=b.filter_zero_variance)
+                                   filter_zero_variance=b.filter_zero_variance,
+                                   straggler_policy=b.straggler_policy,
+                                   min_group_size=b.min_group_size)
+        # Under `wait` a group is never cut, only counted when it comes back late.
+        self._deadline_s = b.group_deadline_s or None
+        self._cut_at_deadline = self._deadline_s is not None and b.straggler_policy != "wait"
         self.breaker = FailureBreaker(b.max_repeated_failures)
         e = cfg.envs  # the third ratio: trajectories in flight per sandbox
         sandboxes = e.num_sandbox_workers * e.sandboxes_per_worker
@@ -190,16 +195,33 @@ class Controller:
         self._in_flight[group_id] = task
         try:
             while True:
-                group = await self.rollout.run_group(task, group_id, self.cfg.train.group_size)
+                started = self.clock()
+                if self._cut_at_deadline:
+                    group = await self.rollout.run_group(task, group_id, self.cfg.train.group_size,
+                                                         deadline_s=self._deadline_s)
+                else:
+                    group = await self.rollout.run_group(task, group_id, self.cfg.train.group_size)
+                late = self._deadline_s is not None and self.clock() - started >= self._deadline_s
                 failure = group_failure(group)
-                if self.buffer.put(group) != "resubmit":
+                outcome = self.buffer.put(group, late=late)
+                if outcome != "resubmit":
                     break
             self._end_reasons.update(t.termination.value for t in group.trajectories)
             self._in_flight.pop(group_id, None)
-            if failure is None:
-                self.breaker.succeeded()
-            else:
+            if failure is not None:
                 self._count_failure(group.trajectories[0].termination_detail or failure)
+            elif outcome == "dropped" and any(t.termination is TerminationReason.DEADLINE
+                                              for t in group.trajectories):
+                # A deadline that drops every group would starve the trainer: the breaker
+                # stops the run after max_repeated_failures of them in a row.
+                policy = self.cfg.buffer.straggler_policy
+                other = ("lower buffer.min_group_size" if policy == "partial" else
+                         "train its finished samples with straggler_policy=partial")
+                self._count_failure(f"the group missed buffer.group_deadline_s={self._deadline_s:g} "
+                                    f"and straggler_policy={policy} dropped it; raise the "
+                                    f"deadline, or {other}")
+            else:
+                self.breaker.succeeded()
         except asyncio.CancelledError:  # stop(): the task stays in flight for the resume
             raise
         except Exception as exc:  # the group could not run at all: dropped, counted

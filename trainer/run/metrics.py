@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from envs.progress import BuildRecord
-from envs.types import Group, Trajectory
+from envs.types import Group, TerminationReason, Trajectory
 from rollout.gateway.server import sum_gateway_stats
 from rollout.tool_parser import tool_parse_counts
 
@@ -235,9 +235,12 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
     staleness and tool counts are over every trained row."""
     trajs = [t for g in groups for t in g.trajectories]
     samples = [t for t in trajs if t.segment == 0]  # one row per sample
+    # Rewards and reward components over the samples in their group's baseline: a sample
+    # cut by its group's deadline has no reward of its own (its ending still counts).
+    scored = [t for t in samples if t.termination is not TerminationReason.DEADLINE]
     staleness = [t.staleness(version) for t in trajs if t.oldest_version is not None]
     turns = [u for t in trajs for u in t.turns]
-    out = {"reward/mean": mean_sample_reward(samples),
+    out = {"reward/mean": mean_sample_reward(scored),
            "staleness/mean": float(np.mean(staleness)) if staleness else 0.0,
            "staleness/max": float(max(staleness)) if staleness else 0.0,
            "rollout/tokens_generated": float(sum(t.num_model_tokens for t in trajs)),
@@ -253,8 +256,8 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
     for name, n in Counter(n for u in turns for n in u.tool_names).items():
         out[f"rollout/tool_calls/{name}"] = float(n)
         out[f"rollout/tool_errors/{name}"] = float(failed[name])
-    for name in sorted({k for t in samples for k in t.reward_components}):
-        values = [t.reward_components.get(name, 0.0) for t in samples]
+    for name in sorted({k for t in scored for k in t.reward_components}):
+        values = [t.reward_components.get(name, 0.0) for t in scored]
         out[f"reward/{name}"] = float(np.sum(values) if is_counted_component(name) else np.mean(values))
     return out
 
@@ -302,6 +305,11 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
     # shows up here (cumulative counts).
     out.update({f"staleness/dropped_by_turns/{n}": float(c) for n, c in buffer.stale_by_turns.items()})
     out.update({f"staleness/dropped_by_length/{b}": float(c) for b, c in buffer.stale_by_length.items()})
+    # Group deadlines (buffer.group_deadline_s): what the straggler policy did, and which
+    # samples it cut, by the turns and tokens they had reached (cumulative counts).
+    out.update({f"buffer/deadline_{k}": float(v) for k, v in buffer.deadline.items()})
+    out.update({f"buffer/deadline_cut_by_turns/{n}": float(c) for n, c in buffer.cut_by_turns.items()})
+    out.update({f"buffer/deadline_cut_by_length/{b}": float(c) for b, c in buffer.cut_by_length.items()})
     return out, (queries, hits)
 
 

@@ -22,9 +22,12 @@ from trainer.train.outcomes import PushOutcome, TrainOutcome
 class RolloutSide(Protocol):
     """Agent-loop workers (they run and score groups) and the engines behind them."""
 
-    async def run_group(self, task: Task, group_id: str, group_size: int) -> Group:
+    async def run_group(self, task: Task, group_id: str, group_size: int,
+                        deadline_s: float | None = None) -> Group:
         """G trajectories of `task`, scored on the worker that ran them. Raises if the
-        group cannot be run at all (a broken task, a lost worker); cancellable."""
+        group cannot be run at all (a broken task, a lost worker); cancellable. With
+        `deadline_s`, samples still running that long after the call are cut and come back
+        as unscored `deadline` trajectories (rollout.deadline)."""
         ...
 
     async def close_gates(self) -> None:

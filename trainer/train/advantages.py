@@ -48,10 +48,14 @@ def compute_group_advantages(group: Group, cfg: LossConfig) -> np.ndarray:
     """float32 advantage per row of `group.trajectories`: the GRPO advantage of each of the
     G samples (baseline and std over samples, `group.rewards()`), given to every segment
     of that sample. A sample split into k segments by a history rewrite is one sample of
-    the baseline, not k, so rewriting cannot shift the group's mean."""
-    adv_G = compute_grpo_advantages(torch.as_tensor(group.rewards()), cfg.adv_std_norm,
-                                    cfg.adv_leave_one_out, cfg.adv_eps)
-    return adv_G.numpy().astype(np.float32)[group.sample_of_rows()]
+    the baseline, not k, so rewriting cannot shift the group's mean. Samples cut by the
+    group's deadline (`Group.in_baseline` false) are outside the baseline and get 0."""
+    kept_G = group.in_baseline()
+    adv_G = np.zeros(len(kept_G), dtype=np.float32)
+    adv_G[kept_G] = compute_grpo_advantages(torch.as_tensor(group.rewards()[kept_G]),
+                                            cfg.adv_std_norm, cfg.adv_leave_one_out,
+                                            cfg.adv_eps).numpy()
+    return adv_G[group.sample_of_rows()]
 
 
 def broadcast_to_tokens(advantages_B: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
