@@ -349,6 +349,9 @@ class Turn:
     tool_parse_status: str = "no_call"
     tool_names: tuple[str, ...] = ()  # the tool of each call of the turn ("(malformed)": unreadable)
     failed_tool_names: tuple[str, ...] = ()  # the tool of each call that failed
+    # Of cached_prompt_tokens, those whose KV an older weight version computed (served
+    # under rollout.kv_after_push=reuse; 0 under recompute).
+    stale_kv_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,11 @@ class RolloutConfig:
                                              "gpu_memory_utilization on cuda.")
     max_num_seqs: int = knob(256, "Most concurrent sequences one engine schedules.")
     enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes across turns.")
+    kv_after_push: Literal["recompute", "reuse"] = knob(
+        "recompute", "KV cached under older weights after a push: recompute it (exact: each "
+        "request's cache_salt is its weight version, so older blocks are never hit and age "
+        "out) or reuse it (pause-and-keep: no prefill is redone, at a small off-policy error; "
+        "rollout/stale_kv_tokens counts the prompt tokens served from older KV).")
     enforce_eager: bool = knob(False, "Skip torch.compile and CUDA graphs: engines start in "
                                "seconds; right for tiny models, slower for real ones.")
     temperature: float = knob(1.0, "Sampling temperature (1.0 keeps behaviour logprobs exact).")

@@ -80,6 +80,9 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
+    # KV of older weights after a push: "recompute" salts each request's prefix-cache
+    # hashes with its weight version (vLLM's cache_salt); "reuse" keeps serving it.
+    kv_after_push: Literal["recompute", "reuse"] = "recompute"
     # Model-config overrides (vLLM's hf_overrides): the recipe's RoPE scaling
     # (rollout.rope.build_rope_overrides), the same the trainer's model gets.
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -103,7 +106,7 @@ class EngineSpec:
                    max_num_seqs=cfg.rollout.max_num_seqs,
                    enable_prefix_caching=cfg.rollout.enable_prefix_caching,
                    enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed,
-                   hf_overrides=overrides)
+                   kv_after_push=cfg.rollout.kv_after_push, hf_overrides=overrides)
 
 
 def choose_executor_backend(tp_size: int) -> Literal["uni", "mp"]:
@@ -235,6 +238,9 @@ class VLLMEngine:
             stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)
         prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
+        if self.spec.kv_after_push == "recompute":
+            # Salted block hashes: KV computed under another weight version is never hit.
+            prompt["cache_salt"] = f"sluice-v{self._version}"
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -275,8 +281,8 @@ class VLLMEngine:
 
     async def update_weights(self, version: int, blob: bytes | None = None,
                              path: str | None = None) -> None:
-        """Load new weights in place and adopt `version`; the prefix cache is reset because
-        cached KV was computed by the old weights. Pauses around the load if not paused."""
+        """Load new weights in place and adopt `version` (what then becomes of the KV the
+        old weights computed: `_load_as_version`). Pauses around the load if not paused."""
         await self._load_as_version(version, "sluice_load_weights", (blob, path))
 
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
@@ -302,7 +308,13 @@ class VLLMEngine:
                 await self.pause()
             try:
                 await self._worker_call(method, args)
-                await self.reset_prefix_cache()
+                # Under recompute, new requests carry the new version's salt and never hit
+                # older blocks, which age out: no global reset. Requests kept through the
+                # push (still running or queued) carry the old salt and hold old KV: the
+                # reset preempts them so their KV is recomputed by the new weights. Under
+                # reuse every request goes on with the KV it has.
+                if self.spec.kv_after_push == "recompute" and self._in_flight:
+                    await self.reset_prefix_cache()
                 self._version = version
             finally:
                 if not was_paused:

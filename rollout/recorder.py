@@ -49,6 +49,10 @@ class TrajectoryRecorder:
         self._logprobs: list[np.ndarray] = []
         self._versions: list[np.ndarray] = []
         self._context = self.prompt_ids
+        # The weight version whose KV each context position has in the engine's prefix
+        # cache, as far as this trajectory knows (NO_VERSION: not computed yet): what
+        # Turn.stale_kv_tokens is counted against.
+        self._kv_versions = np.full(len(self.prompt_ids), NO_VERSION, np.int32)
         self.turns: list[Turn] = []
         self.timings = {"generate_s": 0.0, "tool_s": 0.0, "queue_s": 0.0}
         self._start = time.monotonic()
@@ -103,16 +107,37 @@ class TrajectoryRecorder:
                        engine: str = "", started_at: float = 0.0) -> None:
         self.sent_prefix_lengths.append(len(self._context))
         start = self.num_response_tokens
+        version = int(out.versions[0]) if len(out.versions) else NO_VERSION
+        stale = self._track_kv(out, version)
         self._append(out.token_ids, 1, out.logprobs, out.versions)
         self.timings["queue_s"] += queue_s
         self.timings["generate_s"] += generate_s
-        version = int(out.versions[0]) if len(out.versions) else NO_VERSION
         self.turns.append(Turn(index=len(self.turns), prompt_tokens=out.num_prompt_tokens,
                                response_start=start, num_generated=len(out.token_ids),
                                num_observation=0, finish_reason=out.finish_reason,
                                version=version, cached_prompt_tokens=out.cached_prompt_tokens,
                                generate_s=generate_s, queue_s=queue_s, engine=engine,
-                               started_at=started_at))
+                               started_at=started_at, stale_kv_tokens=stale))
+
+    def _track_kv(self, out: TokenOutput, version: int) -> int:
+        """Prompt tokens of this generation served from KV of an older version than the
+        one that generated it (its prefill ran at `version`: weights change only between
+        requests' steps while paused); then what the cache holds after it. Positions this
+        trajectory never had computed (a group's shared prompt, cached by a sibling) count
+        as current: a lower bound."""
+        if version == NO_VERSION:  # nothing generated: nothing known about the prefill
+            self._kv_versions = np.concatenate([self._kv_versions,
+                                                np.full(len(out.token_ids), NO_VERSION, np.int32)])
+            return 0
+        known = self._kv_versions
+        cached = min(out.cached_prompt_tokens, len(known))
+        head = known[:cached]
+        stale = int(np.count_nonzero((head != NO_VERSION) & (head < version)))
+        # Cached positions keep their KV; the rest of the prompt was prefilled now; each
+        # generated token's KV is computed by the version that sampled it.
+        self._kv_versions = np.concatenate([head, np.full(len(known) - cached, version, np.int32),
+                                            out.versions.astype(np.int32, copy=False)])
+        return stale
 
     def record_tool_parse(self, status: str) -> None:
         """What the tool parser made of the last generation (a ParseStatus), for the
@@ -138,6 +163,7 @@ class TrajectoryRecorder:
             raise RuntimeError("an observation must follow a generation")
         arr = np.asarray(ids, dtype=np.int32)
         self._append(arr, 0, None, None)
+        self._kv_versions = np.concatenate([self._kv_versions, np.full(len(arr), NO_VERSION, np.int32)])
         self.timings["tool_s"] += tool_s
         last = self.turns[-1]
         self.turns[-1] = replace(

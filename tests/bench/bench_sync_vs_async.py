@@ -16,33 +16,20 @@ minute, rollout and trainer idle ratios, staleness; then the ratio of seconds pe
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCH = Path(__file__).resolve().parent
+from quickstart_runs import bench_env, run_alternating, run_quickstart
 
 
 def run_once(mode: str, steps: int, out_dir: Path, env: dict[str, str]) -> dict[str, float]:
-    name = f"{mode}-{int(time.time())}"
-    cmd = [sys.executable, "-m", "trainer.main", "recipe=quickstart.yaml", f"train.mode={mode}",
-           f"train.num_steps={steps}", "agent.loop=heavy_tail_loop:HeavyTailToolLoop",
-           f"logging.output_dir={out_dir}", f"logging.run_name={name}", "eval.tasks=null",
-           "logging.wandb_mode=disabled", "logging.console=false"]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    rows = run_quickstart(f"{mode}-{int(time.time())}", [
+        f"train.mode={mode}", f"train.num_steps={steps}",
+        "agent.loop=heavy_tail_loop:HeavyTailToolLoop"], out_dir, env)
     wall = time.monotonic() - start
-    if proc.returncode != 0:
-        sys.exit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward/mean" in r][1:]  # the first step includes start-up
+    rows = rows[1:]  # the first step includes start-up
     seconds = rows[-1]["time"] - rows[0]["time"]
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     return {"s_per_step": seconds / (len(rows) - 1), "steps_per_min": 60 * (len(rows) - 1) / seconds,
@@ -61,21 +48,10 @@ def main() -> None:
     parser.add_argument("--slow-fraction", type=float, default=0.1)
     args = parser.parse_args()
 
-    env = dict(os.environ, HEAVY_TAIL_BASE_S=str(args.base_s),
-               HEAVY_TAIL_SLOW_FRACTION=str(args.slow_fraction),
-               # Ray workers inherit it, so they can import the bench's agent loop
-               PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])))
-    env.setdefault("SLUICE_CACHE_DIR", str(ROOT / ".cache" / "sluice"))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(env["SLUICE_CACHE_DIR"]) / "torch_extensions"))
-    results: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        for _ in range(args.rounds):
-            for mode in ("sync", "async"):
-                results[mode].append(run_once(mode, args.steps, Path(tmp), env))
-                print(f"{mode}: {results[mode][-1]}", flush=True)
-
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, python "
-          f"{platform.python_version()}")
+    env = bench_env(HEAVY_TAIL_BASE_S=str(args.base_s),
+                    HEAVY_TAIL_SLOW_FRACTION=str(args.slow_fraction))
+    results = run_alternating(("sync", "async"), args.rounds,
+                              lambda mode, out: run_once(mode, args.steps, out, env))
     print(f"command: python tests/bench/bench_sync_vs_async.py --steps {args.steps} --rounds "
           f"{args.rounds} --base-s {args.base_s} --slow-fraction {args.slow_fraction}")
     print(f"workload: quickstart recipe, {args.steps} steps (first excluded); tool turns take "

@@ -148,3 +148,38 @@ async def test_stats_report_prefix_cache_hits_from_vllm_metrics(engine):
     await engine.reset_prefix_cache()
     third = await engine.generate("pc-3", long_prompt, Sampling(max_new_tokens=4, seed=3))
     assert third.cached_prompt_tokens == 0
+
+
+async def test_after_a_push_recompute_never_serves_older_kv_and_reuse_does(engine, tiny_model_path):
+    """rollout.kv_after_push on the real engine: under recompute (the default) each
+    request's cache salt is its version, so the push needs no reset and the next request
+    computes its prompt anew; under reuse the KV of the older weights keeps being served.
+    (One engine for both: the wrapper reads its spec per request and per push.)"""
+    import dataclasses
+
+    long_prompt = (PROMPT * 20)[:280]  # > two 128-token CPU blocks
+    model = _hf_model(tiny_model_path)
+    sampling = lambda seed: Sampling(max_new_tokens=2, seed=seed)  # noqa: E731
+
+    async def push(seed: int) -> None:
+        await engine.update_weights(engine.version + 1,
+                                    blob=_safetensors_bytes(_perturbed_state(model, seed)))
+
+    assert engine.spec.kv_after_push == "recompute"
+    await engine.generate("salt-1", long_prompt, sampling(1))
+    assert (await engine.generate("salt-2", long_prompt, sampling(2))).cached_prompt_tokens >= 256
+    refused = engine.stats().prefix_reset_refused
+    await push(7)
+    assert (await engine.generate("salt-3", long_prompt, sampling(3))).cached_prompt_tokens == 0
+    assert (await engine.generate("salt-4", long_prompt, sampling(4))).cached_prompt_tokens >= 256
+    assert engine.stats().prefix_reset_refused == refused  # no reset was needed, or tried
+
+    recompute = engine.spec
+    engine.spec = dataclasses.replace(recompute, kv_after_push="reuse")
+    try:
+        await engine.generate("reuse-1", long_prompt, sampling(5))
+        await push(8)
+        kept = await engine.generate("reuse-2", long_prompt, sampling(6))
+        assert kept.cached_prompt_tokens >= 256 and kept.versions[0] == engine.version
+    finally:
+        engine.spec = recompute

@@ -247,6 +247,10 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
            "rollout/turns": len(turns) / len(samples),
            "rollout/segments_per_sample": len(trajs) / len(samples),
            "rollout/prefix_cache_hit_rate": compute_hit_rate(trajs),
+           # prompt tokens the engines computed (not served from the prefix cache), and
+           # those served from KV of older weights (rollout.kv_after_push=reuse)
+           "rollout/prefill_tokens": float(sum(u.prompt_tokens - u.cached_prompt_tokens for u in turns)),
+           "rollout/stale_kv_tokens": float(sum(u.stale_kv_tokens for u in turns)),
            "rollout/tool_calls": float(sum(u.num_tool_calls for u in turns)),
            "rollout/tool_errors": float(sum(u.num_tool_errors for u in turns)),
            "rollout/tool_timeouts": float(sum(u.num_tool_timeouts for u in turns))}
