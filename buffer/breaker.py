@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _VARYING = [(re.compile(r"'[^']*'|\"[^\"]*\""), "'…'"),  # quoted names and paths
             (re.compile(r"0x[0-9a-fA-F]+|\d+(\.\d+)?"), "N")]
 # A group none of whose samples ended on its own: they failed, timed out, or were all cut
-# by the group's deadline (a deadline no group meets must stop the run, not loop).
+# by the group's deadline.
 FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT, TerminationReason.DEADLINE)
 
 
@@ -46,6 +46,7 @@ def group_failure(group: Group) -> str | None:
 
 
 EVERY_GROUP_FAILS = "every group fails"  # the signature of a trip on failures of any kind
+DEADLINE_DROPS = "every group dropped at its deadline"  # ... on straggler-policy drops
 
 
 def _first_line(message: str) -> str:
@@ -60,6 +61,10 @@ class RepeatedFailure:
     limit: int  # buffer.max_repeated_failures
 
     def message(self) -> str:
+        if self.signature == DEADLINE_DROPS:
+            return (f"stopped: the last {self.count} groups to come back (every admission slot, "
+                    f"(buffer.max_staleness + 1) x train.groups_per_step) were all dropped at "
+                    f"their deadline; {self.example.strip()}")
         if self.signature == EVERY_GROUP_FAILS:
             head = (f"stopped: no group succeeded in the last {self.count} (3 x "
                     f"buffer.max_repeated_failures={self.limit}); {self.example.strip()}")
@@ -72,10 +77,18 @@ class RepeatedFailure:
 
 
 class FailureBreaker:
-    def __init__(self, threshold: int) -> None:
+    """Stops the run on failures that repeat for every group: `threshold` in a row with
+    the same error, 3x that with any. Groups the straggler policy drops at their deadline
+    are not failures (at scale they come back in bursts as many groups meet one deadline):
+    only `deadline_threshold` of them in a row with no group trained on between (every
+    admission slot cycled through for nothing) trips it."""
+
+    def __init__(self, threshold: int, deadline_threshold: int | None = None) -> None:
         if threshold < 1:
             raise ValueError(f"buffer.max_repeated_failures must be >= 1, got {threshold}")
         self.threshold = threshold
+        self.deadline_threshold = deadline_threshold or threshold
+        self._deadline_streak = 0
         self._streak: Counter[str] = Counter()
         self._streak_total = 0
         self._seen: Counter[str] = Counter()  # all-time, for log throttling
@@ -85,6 +98,15 @@ class FailureBreaker:
     def succeeded(self) -> None:
         self._streak.clear()
         self._streak_total = 0
+        self._deadline_streak = 0
+
+    def dropped_at_deadline(self, message: str) -> RepeatedFailure | None:
+        """Count one group dropped at its deadline; the RepeatedFailure once the breaker trips."""
+        self._deadline_streak += 1
+        if self.tripped is None and self._deadline_streak >= self.deadline_threshold:
+            self.tripped = RepeatedFailure(DEADLINE_DROPS, self._deadline_streak, message,
+                                           self.threshold)
+        return self.tripped
 
     def failed(self, message: str) -> RepeatedFailure | None:
         """Count one failed group; the RepeatedFailure once the breaker trips."""

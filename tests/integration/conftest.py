@@ -1,7 +1,12 @@
-"""Fixtures shared by integration modules: a real vLLM engine on the tiny model, one per
-module (each module's tests run on one event loop with it); `long_engine` has the tiny
-model's whole 4,096-token context (black-box harness prompts are long); `own_tmpdir`, a
-system temp folder of the test's own for the sandboxes of the runs it starts."""
+"""Fixtures shared by integration modules: real vLLM engines on the tiny model, and
+`own_tmpdir`, a system temp folder of the test's own for the sandboxes of the runs it
+starts.
+
+`shared_engine` is one engine per test worker (the tiny model's whole 4,096-token context:
+black-box harness prompts are long) for the modules that only read from it, never pushing
+weights or resetting its cache: one engine start instead of one per module. Their tests
+and fixtures run on the session's event loop, the one it was started on. `engine` is a
+module's own (1,024 tokens), for a module that changes it (test_engine)."""
 
 from __future__ import annotations
 
@@ -29,8 +34,8 @@ async def engine(tiny_model_path):
     eng.shutdown()
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def long_engine(tiny_model_path):
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def shared_engine(tiny_model_path):
     eng = await _tiny_engine(tiny_model_path, 4096)
     yield eng
     eng.shutdown()

@@ -21,7 +21,13 @@ from rollout.router import Router
 from rollout.tool_parser import PARSE_STATUSES, tool_parse_counts
 from rollout.worker import AgentLoopWorker
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # the shared engine's loop
+
+@pytest.fixture(scope="module")
+def engine(shared_engine):
+    """This worker's read-only engine (conftest.shared_engine)."""
+    return shared_engine
+
 log = logging.getLogger(__name__)
 
 # The parsers whose markers are plain text (or none) for the tiny model's ChatML tokenizer;

@@ -25,7 +25,13 @@ from rollout.recorder import Budgets
 from rollout.router import Router
 from rollout.worker import AgentLoopWorker
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # the shared engine's loop
+
+@pytest.fixture(scope="module")
+def engine(shared_engine):
+    """This worker's read-only engine (conftest.shared_engine)."""
+    return shared_engine
+
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo text.",
                                            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
@@ -61,7 +67,7 @@ def chat(tokenizer):
     return build_continuity_builder(tokenizer, "tiny", reasoning_parser="none")
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def served(engine, tokenizer, chat):
     recording = RecordingEngine(engine)
     gateway = Gateway(Router({"e0": recording}), TurnGate(), chat, tokenizer,

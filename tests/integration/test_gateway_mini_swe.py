@@ -28,7 +28,13 @@ from rollout.recorder import Budgets
 from rollout.router import Router
 from rollout.worker import AgentLoopWorker
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # the shared engine's loop
+
+@pytest.fixture(scope="module")
+def long_engine(shared_engine):
+    """This worker's read-only engine (conftest.shared_engine)."""
+    return shared_engine
+
 SETTINGS = SandboxToolSettings(exec_timeout_s=10.0, max_observation_tokens=1500)
 
 
@@ -38,7 +44,7 @@ def needs_bwrap():
         pytest.skip("the local sandbox backend needs root and bubblewrap")
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
 async def pool():
     pool = SandboxPool(load_sandbox_factory("local"), max_sandboxes=4, num_warm=0, snapshot_interval_s=30.0)
     yield pool

@@ -18,7 +18,13 @@ from reward.loop import RewardLoop
 from rollout.judge_client import EngineJudgeClient
 from envs.types import Message, Task, Trajectory
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # the shared engine's loop
+
+@pytest.fixture(scope="module")
+def engine(shared_engine):
+    """This worker's read-only engine (conftest.shared_engine)."""
+    return shared_engine
+
 
 TASK = Task("t", (Message("system", "You are helpful."), Message("user", "What is 2 + 2?")),
             answer="4")

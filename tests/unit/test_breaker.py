@@ -67,3 +67,15 @@ def test_group_failure_only_when_every_trajectory_failed():
         "ValueError: reward boom N"
     with pytest.raises(ValueError, match="max_repeated_failures"):
         FailureBreaker(0)
+
+
+def test_deadline_drops_trip_only_when_a_whole_admission_window_is_dropped():
+    breaker = FailureBreaker(2, deadline_threshold=5)
+    for _ in range(4):  # a burst of drops, more than max_repeated_failures: not a failure
+        assert breaker.dropped_at_deadline("dropped at the deadline") is None
+    breaker.succeeded()  # a group trained on: the window starts again
+    for _ in range(4):
+        assert breaker.dropped_at_deadline("dropped at the deadline") is None
+    tripped = breaker.dropped_at_deadline("dropped at the deadline")
+    assert tripped is not None and tripped.count == 5
+    assert tripped.message().startswith("stopped: the last 5 groups to come back")

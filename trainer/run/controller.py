@@ -124,7 +124,8 @@ class Controller:
         # Under `wait` a group is never cut, only counted when it comes back late.
         self._deadline_s = b.group_deadline_s or None
         self._cut_at_deadline = self._deadline_s is not None and b.straggler_policy != "wait"
-        self.breaker = FailureBreaker(b.max_repeated_failures)
+        self.breaker = FailureBreaker(b.max_repeated_failures,
+                                      deadline_threshold=self.buffer.capacity)
         e = cfg.envs  # the third ratio: trajectories in flight per sandbox
         sandboxes = e.num_sandbox_workers * e.sandboxes_per_worker
         self.max_running_groups = max(1, int(sandboxes * e.sandbox_oversubscription)
@@ -212,14 +213,14 @@ class Controller:
                 self._count_failure(group.trajectories[0].termination_detail or failure)
             elif outcome == "dropped" and any(t.termination is TerminationReason.DEADLINE
                                               for t in group.trajectories):
-                # A deadline that drops every group would starve the trainer: the breaker
-                # stops the run after max_repeated_failures of them in a row.
+                # Not a failure; a deadline that drops every group would starve the trainer.
                 policy = self.cfg.buffer.straggler_policy
                 other = ("lower buffer.min_group_size" if policy == "partial" else
-                         "train its finished samples with straggler_policy=partial")
-                self._count_failure(f"the group missed buffer.group_deadline_s={self._deadline_s:g} "
-                                    f"and straggler_policy={policy} dropped it; raise the "
-                                    f"deadline, or {other}")
+                         "train their finished samples with straggler_policy=partial")
+                if self.breaker.dropped_at_deadline(
+                        f"straggler_policy={policy} dropped them at buffer.group_deadline_s="
+                        f"{self._deadline_s:g}; raise the deadline, or {other}") is not None:
+                    self.stop()
             else:
                 self.breaker.succeeded()
         except asyncio.CancelledError:  # stop(): the task stays in flight for the resume
