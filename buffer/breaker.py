@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 
 _VARYING = [(re.compile(r"'[^']*'|\"[^\"]*\""), "'…'"),  # quoted names and paths
             (re.compile(r"0x[0-9a-fA-F]+|\d+(\.\d+)?"), "N")]
-# A group none of whose samples ended on its own: they failed, timed out, or were all cut
-# by the group's deadline.
-FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT, TerminationReason.DEADLINE)
+# A failed group: none of its samples ended on its own. A group its deadline cut whole is
+# not one: the straggler policy drops it (`dropped_at_deadline`).
+FAILED = (TerminationReason.ERROR, TerminationReason.TIMEOUT)
 
 
 def failure_signature(message: str) -> str:

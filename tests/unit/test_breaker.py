@@ -9,6 +9,7 @@ import pytest
 
 from buffer.breaker import FailureBreaker, failure_signature, group_failure
 from envs.types import Group, Trajectory
+from test_types import make_traj
 
 
 def test_signatures_mask_names_numbers_and_paths_but_keep_the_error():
@@ -79,3 +80,8 @@ def test_deadline_drops_trip_only_when_a_whole_admission_window_is_dropped():
     tripped = breaker.dropped_at_deadline("dropped at the deadline")
     assert tripped is not None and tripped.count == 5
     assert tripped.message().startswith("stopped: the last 5 groups to come back")
+
+
+def test_a_group_its_deadline_cut_whole_is_not_a_failure():
+    cut = Group("t0", "g0", tuple(make_traj(i, 0.0, termination="deadline") for i in range(2)))
+    assert group_failure(cut) is None
