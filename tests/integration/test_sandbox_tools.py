@@ -6,6 +6,7 @@ environment (envs.trajectory_env)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +23,10 @@ from envs.trajectory_env import EnvBuilder, load_tool_classes
 from envs.types import GradingSpec, Message, Task, TerminationReason
 
 SMALL = SandboxLimits(memory_mb=256, max_processes=64)
-SETTINGS = SandboxToolSettings(limits=SMALL, exec_timeout_s=1.0, max_observation_tokens=1500)
+# A command's timeout far above what any command here takes on a loaded 2-core machine (a
+# unittest run took over 1 s beside a busy suite); the timeout case has its own 5 s.
+SETTINGS = SandboxToolSettings(limits=SMALL, exec_timeout_s=60.0, max_observation_tokens=1500)
+SHORT_TIMEOUT = dataclasses.replace(SETTINGS, exec_timeout_s=5.0)
 ALL_TOOLS = ("bash", "python", "read_file", "write_file", "str_replace", "run_tests", "submit")
 
 
@@ -100,7 +104,7 @@ async def test_one_trajectory_uses_every_tool_in_one_workspace(recording: Record
 
 
 async def test_tool_mistakes_come_back_as_error_results(recording: Recording, task: Task) -> None:
-    env = EnvBuilder(load_tool_classes(), recording.pool, SETTINGS).build(task)
+    env = EnvBuilder(load_tool_classes(), recording.pool, SHORT_TIMEOUT).build(task)
     await env.open()
     tools = env.tools
     try:
@@ -114,7 +118,7 @@ async def test_tool_mistakes_come_back_as_error_results(recording: Recording, ta
             ("str_replace", {"path": "twice.py", "old": "x = 1", "new": "x = 2"},
              "occurs 2 times in twice.py (lines 1, 2)"),
             ("str_replace", {"path": "missing.py", "old": "a", "new": "b"}, "no file"),
-            ("bash", {"command": "sleep 10"}, "timed out after 1 s"),
+            ("bash", {"command": "sleep 60"}, "timed out after 5 s"),
         ]
         for name, arguments, expected in cases:
             result = await tools[name].execute(arguments)
