@@ -135,7 +135,9 @@ def main() -> None:
                         help="comma-separated train.micro_batch_tokens values")
     args = parser.parse_args()
 
-    os.environ.setdefault("SLUICE_CACHE_DIR", str(ROOT / ".cache" / "sluice"))
+    from envs.cache import default_cache_dir  # the folders `make` uses: no rebuilds
+
+    os.environ.setdefault("SLUICE_CACHE_DIR", str(default_cache_dir()))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ["SLUICE_CACHE_DIR"])
                                                       / "torch_extensions"))
     import torch

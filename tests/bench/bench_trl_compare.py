@@ -254,7 +254,9 @@ def main() -> None:
     if args.num_trajectories % 8:
         raise ValueError("--num-trajectories must be a multiple of 8 (TRL's num_generations)")
 
-    os.environ.setdefault("SLUICE_CACHE_DIR", str(ROOT / ".cache" / "sluice"))
+    from envs.cache import default_cache_dir  # the folders `make` uses: no rebuilds
+
+    os.environ.setdefault("SLUICE_CACHE_DIR", str(default_cache_dir()))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ["SLUICE_CACHE_DIR"])
                                                       / "torch_extensions"))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed

@@ -19,10 +19,14 @@ BENCH = Path(__file__).resolve().parent
 
 def bench_env(**variables: str) -> dict[str, str]:
     """This process's environment plus `variables`, with the bench folder on PYTHONPATH
-    (Ray workers inherit it) and the README's cache folders."""
+    (Ray workers inherit it) and the cache folders `make` uses (the tiny model, its warm
+    start and DeepSpeed's op builds are reused, not built again)."""
+    sys.path.insert(0, str(ROOT))
+    from envs.cache import default_cache_dir
+
     env = dict(os.environ, **variables,
                PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])))
-    env.setdefault("SLUICE_CACHE_DIR", str(ROOT / ".cache" / "sluice"))
+    env.setdefault("SLUICE_CACHE_DIR", str(default_cache_dir()))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(env["SLUICE_CACHE_DIR"]) / "torch_extensions"))
     return env
 
