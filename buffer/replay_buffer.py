@@ -152,7 +152,8 @@ class ReplayBuffer:
         `late`: it came back after its deadline (counted; under `wait` it is not cut)."""
         if self._running <= 0:
             raise AccountingError(f"group {group.group_id} returned but none was running")
-        self._deadline["late_groups"] += late
+        if late:
+            self._deadline["late_groups"] += 1
         cut = [t for t in group.trajectories if t.termination is TerminationReason.DEADLINE]
         if cut:
             self._count_cut(cut)

@@ -136,7 +136,7 @@ def test_partial_trains_the_finished_samples_with_the_cut_ones_masked():
     cut = group.trajectories[3]
     assert cut.termination is DEADLINE and cut.response_mask.sum() == 0
     assert cut.oldest_version is None  # nothing of it counts towards staleness either
-    assert buf.stats().deadline == {"late_groups": 0, "cut_samples": 1, "partial_groups": 1}
+    assert buf.stats().deadline == {"cut_samples": 1, "partial_groups": 1}
     # Zero variance is judged on the baseline: [1, 1] with the cut 0 left out.
     buf = buffer("partial", filter_zero_variance=True)
     assert buf.put(group_with_cut([1, 1, 0], {2})) == "dropped"
