@@ -194,6 +194,9 @@ class TokenOutput:
     finish_reason: FinishReason
     num_prompt_tokens: int
     cached_prompt_tokens: int  # prompt tokens served from the prefix cache
+    # The cache was salted with the request's weight version (rollout.kv_after_push=
+    # recompute): every cached token's KV is the current weights'.
+    cache_salted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +303,8 @@ class VLLMEngine:
                            versions=np.asarray(versions, dtype=np.int32),
                            finish_reason=_finish_reason(finish),
                            num_prompt_tokens=len(prompt["prompt_token_ids"]),
-                           cached_prompt_tokens=int(cached))
+                           cached_prompt_tokens=int(cached),
+                           cache_salted=self.spec.kv_after_push == "recompute")
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)

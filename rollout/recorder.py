@@ -122,9 +122,11 @@ class TrajectoryRecorder:
     def _track_kv(self, out: TokenOutput, version: int) -> int:
         """Prompt tokens of this generation served from KV of an older version than the
         one that generated it (its prefill ran at `version`: weights change only between
-        requests' steps while paused); then what the cache holds after it. Positions this
-        trajectory never had computed (a group's shared prompt, cached by a sibling) count
-        as current: a lower bound."""
+        requests' steps while paused); then what the cache holds after it. A cache salted
+        by version serves nothing stale. Otherwise positions this trajectory never had
+        computed (a group's shared prompt, cached by a sibling) count as current (a lower
+        bound), and ones it had count as it computed them, even if a sibling recomputed
+        them since (an upper bound there)."""
         if version == NO_VERSION:  # nothing generated: nothing known about the prefill
             self._kv_versions = np.concatenate([self._kv_versions,
                                                 np.full(len(out.token_ids), NO_VERSION, np.int32)])
@@ -132,6 +134,8 @@ class TrajectoryRecorder:
         known = self._kv_versions
         cached = min(out.cached_prompt_tokens, len(known))
         head = known[:cached]
+        if out.cache_salted:  # whoever computed the cached blocks did so under this version
+            head = np.full(cached, version, np.int32)
         stale = int(np.count_nonzero((head != NO_VERSION) & (head < version)))
         # Cached positions keep their KV; the rest of the prompt was prefilled now; each
         # generated token's KV is computed by the version that sampled it.

@@ -11,9 +11,9 @@ from rollout.engine import TokenOutput
 from rollout.recorder import Budgets, TrajectoryRecorder
 
 
-def output(n: int, version: int, prompt: int, cached: int) -> TokenOutput:
+def output(n: int, version: int, prompt: int, cached: int, salted: bool = False) -> TokenOutput:
     return TokenOutput(np.arange(n, dtype=np.int32) + 10, np.full(n, -0.5, np.float32),
-                       np.full(n, version, np.int32), "stop", prompt, cached)
+                       np.full(n, version, np.int32), "stop", prompt, cached, salted)
 
 
 def recorder(prompt_len: int = 6) -> TrajectoryRecorder:
@@ -34,11 +34,13 @@ def test_kv_served_across_a_push_is_counted_once_per_turn_that_uses_it():
 
 def test_a_cache_salted_by_version_serves_nothing_stale():
     rec = recorder()
-    rec.add_generation(output(4, 0, 6, 0), 0.0, 0.0)
+    rec.add_generation(output(4, 0, 6, 0, salted=True), 0.0, 0.0)
     rec.add_observation([90, 91], 1, 0, 0.0)
-    rec.add_generation(output(2, 1, 12, 0), 0.0, 0.0)  # recompute: the push's salt misses
+    # After a push: a sibling already prefilled the shared 6-token prompt under v1 (its
+    # salt), so those hit, though this trajectory computed them under v0.
+    rec.add_generation(output(2, 1, 12, 6, salted=True), 0.0, 0.0)
     rec.add_observation([92], 1, 0, 0.0)
-    rec.add_generation(output(2, 1, 15, 14), 0.0, 0.0)  # all of it prefilled or sampled at v1
+    rec.add_generation(output(2, 1, 15, 14, salted=True), 0.0, 0.0)
     assert [t.stale_kv_tokens for t in rec.turns] == [0, 0, 0]
 
 
