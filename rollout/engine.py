@@ -139,10 +139,9 @@ def kv_offload_args(spec: EngineSpec) -> dict[str, Any]:
     s = spec
     if s.kv_offload_tier == "none":
         return {}
-    if s.kv_offload_tier == "cpu":
-        return {"kv_offloading_backend": "native", "kv_offloading_size": s.kv_offload_bytes / (1 << 30)}
-    if s.kv_offload_tier == "lmcache":
-        return {"kv_offloading_backend": "lmcache", "kv_offloading_size": s.kv_offload_bytes / (1 << 30)}
+    if s.kv_offload_tier in ("cpu", "lmcache"):
+        return {"kv_offloading_backend": "native" if s.kv_offload_tier == "cpu" else "lmcache",
+                "kv_offloading_size": s.kv_offload_bytes / (1 << 30)}
     if s.kv_offload_tier == "disk":
         return {"kv_transfer_config": {
             "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",

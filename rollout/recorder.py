@@ -102,6 +102,9 @@ class TrajectoryRecorder:
         self._logprobs.append(logprobs if logprobs is not None else np.zeros(n, np.float32))
         self._versions.append(versions if versions is not None else np.full(n, NO_VERSION, np.int32))
         self._context = np.concatenate([self._context, self._ids[-1]])
+        # A sampled token's KV is computed by the version that sampled it; an observation's
+        # not until the next prefill.
+        self._kv_versions = np.concatenate([self._kv_versions, self._versions[-1]])
 
     def add_generation(self, out: TokenOutput, queue_s: float, generate_s: float,
                        engine: str = "", started_at: float = 0.0) -> None:
@@ -128,19 +131,14 @@ class TrajectoryRecorder:
         bound), and ones it had count as it computed them, even if a sibling recomputed
         them since (an upper bound there)."""
         if version == NO_VERSION:  # nothing generated: nothing known about the prefill
-            self._kv_versions = np.concatenate([self._kv_versions,
-                                                np.full(len(out.token_ids), NO_VERSION, np.int32)])
             return 0
-        known = self._kv_versions
-        cached = min(out.cached_prompt_tokens, len(known))
-        head = known[:cached]
+        kv = self._kv_versions  # the prompt sent: the whole context so far
+        cached = min(out.cached_prompt_tokens, len(kv))
         if out.cache_salted:  # whoever computed the cached blocks did so under this version
-            head = np.full(cached, version, np.int32)
+            kv[:cached] = version
+        head = kv[:cached]
         stale = int(np.count_nonzero((head != NO_VERSION) & (head < version)))
-        # Cached positions keep their KV; the rest of the prompt was prefilled now; each
-        # generated token's KV is computed by the version that sampled it.
-        self._kv_versions = np.concatenate([head, np.full(len(known) - cached, version, np.int32),
-                                            out.versions.astype(np.int32, copy=False)])
+        kv[cached:] = version  # the rest of the prompt was prefilled now
         return stale
 
     def record_tool_parse(self, status: str) -> None:
@@ -167,7 +165,6 @@ class TrajectoryRecorder:
             raise RuntimeError("an observation must follow a generation")
         arr = np.asarray(ids, dtype=np.int32)
         self._append(arr, 0, None, None)
-        self._kv_versions = np.concatenate([self._kv_versions, np.full(len(arr), NO_VERSION, np.int32)])
         self.timings["tool_s"] += tool_s
         last = self.turns[-1]
         self.turns[-1] = replace(
