@@ -47,8 +47,10 @@ class RolloutConfig:
         "request's cache_salt is its weight version, so older blocks are never hit and age "
         "out) or reuse it (pause-and-keep: no prefill is redone, at a small off-policy error; "
         "rollout/stale_kv_tokens counts the prompt tokens served from older KV).")
-    enforce_eager: bool = knob(False, "Skip torch.compile and CUDA graphs: engines start in "
-                               "seconds; right for tiny models, slower for real ones.")
+    enforce_eager: bool = knob(False, "Skip torch.compile and CUDA graphs (TorchDynamo is off "
+                               "in the engine core, so vLLM's own compiled helpers run eagerly "
+                               "too): engines start in seconds; right for tiny models, slower "
+                               "for real ones.")
     temperature: float = knob(1.0, "Sampling temperature (1.0 keeps behaviour logprobs exact).")
     top_p: float = knob(1.0, "Nucleus sampling mass.")
     top_k: int = knob(-1, "Top-k sampling; -1 disables it.")

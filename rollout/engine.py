@@ -24,6 +24,8 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Generator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -151,6 +153,23 @@ def kv_offload_args(spec: EngineSpec) -> dict[str, Any]:
     raise ValueError(f"unknown KV offload tier {s.kv_offload_tier!r}")
 
 
+@contextmanager
+def engine_core_env(spec: EngineSpec) -> Generator[None, None, None]:
+    """The environment vLLM's engine core (a process it spawns) starts with, set only while
+    it is spawned. Under enforce_eager, TorchDynamo is off there: vLLM still torch.compiles
+    its sampler's rank count (vllm/v1/sample/ops/logprobs.py) at the first request that
+    asks for logprobs, and that trace and inductor C++ build cost ~7 CPU-s per engine
+    start (~2 s with a warm inductor cache) that eager mode is meant to skip."""
+    if not spec.enforce_eager or "TORCHDYNAMO_DISABLE" in os.environ:  # the user's own wins
+        yield
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["TORCHDYNAMO_DISABLE"]
+
+
 def build_engine_args(spec: EngineSpec) -> Any:
     """vLLM's AsyncEngineArgs for `spec` (`.create_engine_config()` runs vLLM's own checks
     without starting anything). Imports vllm."""
@@ -255,7 +274,8 @@ class VLLMEngine:
             # schedule them instead (an explicit VLLM_CPU_OMP_THREADS_BIND still wins).
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         start = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(build_engine_args(s))
+        with engine_core_env(s):
+            self._llm = AsyncLLM.from_engine_args(build_engine_args(s))
         log.info("engine %s (tp=%d, %s executor) started in %.1fs", s.model_path, s.tp_size,
                  choose_executor_backend(s.tp_size), time.monotonic() - start)
 

