@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launch.checks import Check
-from launch.gpu_stack import check_gpu_stacks, probe_gpu_stack
+from launch.gpu_stack import GpuStack, check_gpu_stacks, probe_gpu_stack
 from trainer.run.config import SluiceConfig
 from trainer.run.pools import PoolSpec, plan_pools
 
@@ -421,8 +421,11 @@ def collective_nodes(cfg: SluiceConfig, nodes: Sequence[Node]) -> tuple[str, lis
     return transport, []
 
 
-def probe_collective(cfg: SluiceConfig, nodes: Sequence[Node]) -> list[Check]:
-    """A broadcast over the run's weight transport between one rank per node that joins it."""
+def probe_collective(cfg: SluiceConfig, nodes: Sequence[Node],
+                     stacks: Mapping[str, GpuStack] | None = None) -> list[Check]:
+    """A broadcast over the run's weight transport between one rank per node that joins it.
+    `stacks` (node id -> its GPU stack, as the doctor probed it): NCCL nodes none of which
+    has an NVIDIA driver are a skipped check at once, without starting a rank on each."""
     import ray
 
     from trainer.run.pools import collective_env
@@ -438,6 +441,12 @@ def probe_collective(cfg: SluiceConfig, nodes: Sequence[Node]) -> list[Check]:
             f"others ({settings})")
     if len(members) < 2:
         return [Check(True, "collective", f"fewer than two nodes join the weight group: would "
+                      f"check {what}")]
+    if transport == "nccl" and stacks is not None and members and \
+            all(n.node_id in stacks and stacks[n.node_id].driver is None for n in members):
+        labels = node_labels(members)
+        return [Check(True, "collective", f"skipped: no GPU (no NVIDIA driver on "
+                      f"{_few([labels[n.node_id] for n in members])}; logical GPUs only): would "
                       f"check {what}")]
     actor = ray.remote(_GroupMember)
     ranks = [_on_node(n, actor, num_gpus=1 if transport == "nccl" else 0,
@@ -504,11 +513,13 @@ def run_doctor(cfg: SluiceConfig) -> list[Check]:
                           paths, {})
     checks += check_paths(named, {}, markers)
     gpu_nodes = [n for n in nodes if n.offers("GPU") > 0]
+    stacks: dict[str, GpuStack] | None = None
     if gpu:
-        stacks = ray.get([_on_node(n, ray.remote(probe_gpu_stack)).remote() for n in gpu_nodes])
-        checks += check_gpu_stacks(dict(zip([labels[n.node_id] for n in gpu_nodes], stacks)))
+        found = ray.get([_on_node(n, ray.remote(probe_gpu_stack)).remote() for n in gpu_nodes])
+        stacks = {n.node_id: s for n, s in zip(gpu_nodes, found)}
+        checks += check_gpu_stacks({labels[n.node_id]: s for n, s in zip(gpu_nodes, found)})
     checks += check_ports(probe_ports(gpu_nodes))
-    checks += probe_collective(cfg, nodes)
+    checks += probe_collective(cfg, nodes, stacks)
     return checks
 
 

@@ -2,14 +2,18 @@
 CUDA version torch was built for (torch 2.13's CUDA 13.0 build needs an R580 driver, and
 many H100 fleets run R535-R570: every rank would die with "torch sees no GPU"), and the
 NCCL and nvcc versions beside it. `probe_gpu_stack` runs on the node (plain data back
-through Ray); `check_gpu_stacks` is a pure function over what the nodes report."""
+through Ray); `check_gpu_stacks` is a pure function over what the nodes report.
+`python -m launch.gpu_stack` checks this machine the same way: GPU set-up
+(`SLUICE_DEVICE=gpu make setup`) runs it last."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from launch.checks import Check
@@ -101,3 +105,27 @@ def _check_node(node: str, s: GpuStack) -> Check:
                      f"{s.torch_cuda} in its major version; builds from source (flash-attn) fail: "
                      f"put CUDA {major}.x's nvcc first on PATH")
     return Check(True, what, found)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """This machine's GPU stack as the doctor checks a GPU node: 0 when it can run the CUDA
+    torch installed here, 1 with what to install when it cannot. A machine without any
+    NVIDIA driver (a CPU head node preparing a shared environment) only gets a note."""
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.gpu_stack",
+        description="Check this machine's NVIDIA driver against the CUDA version torch was "
+                    "built for, and report NCCL and nvcc (what `launch.doctor` checks on "
+                    "every GPU node of a cluster).")
+    parser.parse_args(argv)
+    stack = probe_gpu_stack()
+    if stack.driver is None:
+        print("gpu stack: no NVIDIA driver answers here (nvidia-smi): nothing to check on this "
+              "machine; `python -m launch.doctor recipe=...` checks every GPU node of the cluster")
+        return 0
+    check = _check_node("here", stack)
+    print(f"gpu stack: {'ok' if check.ok else 'PROBLEM'}: {check.detail}")
+    return 0 if check.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

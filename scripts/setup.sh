@@ -69,10 +69,20 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 
+# On GPU machines, last and every time (a driver changes without the environment): torch
+# 2.13's CUDA 13 build needs an R580+ driver, and a rank on an older one dies with "torch
+# sees no GPU". Says what to install; a machine without a driver gets a note only.
+check_gpu_stack() {
+  if [ "$device" = gpu ]; then
+    "$venv/bin/python" -m launch.gpu_stack || exit 1
+  fi
+}
+
 stamp="$venv/.sluice-setup"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)-$device-flash$flash
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   say "$venv is up to date"
+  check_gpu_stack
   exit 0
 fi
 
@@ -95,4 +105,5 @@ fi
 "$venv/bin/python" -c 'import transformers, vllm, ray, omegaconf' \
   || { echo "set-up finished but imports fail; see above" >&2; exit 1; }
 echo "$want" > "$stamp"
+check_gpu_stack
 say "done"

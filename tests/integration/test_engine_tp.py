@@ -4,8 +4,8 @@ between the two worker processes) on the tiny model.
 
 vLLM's own choice inside a placement group is its Ray executor (which refuses a bundle of
 more than one GPU on CUDA, and any bundle on CPU); the first test shows that choice with
-vLLM's config code and that sluice's start path asks for the multiprocessing executor
-instead. The second starts the engine for real: generation matches a transformers forward,
+vLLM's config code, in the engine's own actor, and that sluice's start path asks for the
+multiprocessing executor instead. The second uses the engine: generation matches a transformers forward,
 and a weight update reaches both TP workers (their outputs match the new weights and both
 report the same checksum). The third, on the same engine, fails a push on one TP worker
 only and shows that both workers still answer the pushes after it in step.
@@ -55,12 +55,10 @@ async def tp2_engine(ray_bundle, tiny_model_path):
     return engines["engine-0"]
 
 
-def test_in_a_bundle_vllm_would_choose_ray_and_sluice_asks_for_mp(ray_bundle, tiny_model_path):
-    ray, pg = ray_bundle
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    @ray.remote(num_cpus=0)
-    def executor_backends(spec: EngineSpec) -> tuple[str, str]:
+@pytest.mark.asyncio(loop_scope="module")
+async def test_in_a_bundle_vllm_would_choose_ray_and_sluice_asks_for_mp(tp2_engine, tiny_model_path):
+    def executor_backends(actor, spec: EngineSpec) -> tuple[str, str]:
+        # Runs in the engine's own actor, in its bundle (defined here: sent by value).
         from rollout.engine import build_engine_args
 
         ours = build_engine_args(spec)
@@ -68,9 +66,8 @@ def test_in_a_bundle_vllm_would_choose_ray_and_sluice_asks_for_mp(ray_bundle, ti
         return (ours.create_engine_config().parallel_config.distributed_executor_backend,
                 vllm_default.create_engine_config().parallel_config.distributed_executor_backend)
 
-    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
     spec = EngineSpec(model_path=str(tiny_model_path), **SPEC)
-    ours, default = ray.get(executor_backends.options(scheduling_strategy=strategy).remote(spec))
+    ours, default = await tp2_engine.handle.__ray_call__.remote(executor_backends, spec)
     assert (ours, default) == ("mp", "ray")
 
 

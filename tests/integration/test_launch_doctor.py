@@ -52,9 +52,14 @@ def test_a_fitting_recipe_passes_every_check(cluster, tmp_path, capsys):
     # Logical GPUs: no driver, no NCCL here, and the doctor says what it would check.
     stack = next(c for c in checks if c.what == "gpu stack")
     assert stack.detail.startswith("skipped: no GPU (no NVIDIA driver on any of the 2 GPU nodes")
+    # No driver answered on either GPU node: the collective is skipped without a rank started.
     collective = next(c for c in checks if c.what == "collective")
-    assert collective.detail.startswith("skipped: no GPU (CUDA sees no device on "), collective.detail
+    assert collective.detail.startswith("skipped: no GPU (no NVIDIA driver on "), collective.detail
     assert "would check a nccl broadcast of 4 MiB" in collective.detail
+    # Without the stacks, one rank per GPU node asks CUDA itself.
+    [asked] = probe_collective(_recipe(tmp_path), live_nodes())
+    assert asked.detail.startswith("skipped: no GPU (CUDA sees no device on "), asked.detail
+    assert "would check a nccl broadcast of 4 MiB" in asked.detail
 
 
 def test_the_weight_groups_own_broadcast_runs_between_the_nodes_that_join_it(cluster, tmp_path,
