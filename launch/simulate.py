@@ -86,6 +86,9 @@ class SimReport:
     running: int  # groups in flight when the run ended
     buffered: int  # terminal groups not trained when the run ended
     end_reasons: dict[str, int]
+    # buffer/deadline_* totals at the end (buffer.group_deadline_s): late groups, cut
+    # samples, partial groups, and the cuts by turns and length reached (the length bias)
+    deadline: dict[str, float]
     failed_cache_resets: int
     logged_step_s: tuple[float, ...]  # the controller's own timing/step_s (virtual clock)
     logged_trainer_idle_ratio: tuple[float, ...]  # its perf/trainer_idle_ratio per step
@@ -204,12 +207,20 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, rows
         trajectory_wall_max_s=max(durations), turns=rollout.num_turns,
         trajectories_trained=summary.trained * cfg.train.group_size, admitted=summary.admitted,
         dropped=dict(summary.dropped), running=summary.running, buffered=summary.buffered,
-        end_reasons=dict(rollout.end_reasons),
+        end_reasons=dict(rollout.end_reasons), deadline=deadline_totals(rows),
         failed_cache_resets=sum(e.num_failed_resets for e in engines.values()),
         logged_step_s=tuple(r["timing/step_s"] for r in rows if "timing/step_s" in r),
         logged_trainer_idle_ratio=tuple(r["perf/trainer_idle_ratio"] for r in rows
                                         if "perf/trainer_idle_ratio" in r),
         virtual_s=end_s, wall_s=wall_s)
+
+
+def deadline_totals(rows: list[dict]) -> dict[str, float]:
+    """The buffer/deadline_* totals of the last metrics row that has them, by their names
+    after the prefix (empty without a group deadline)."""
+    prefix = "buffer/deadline_"
+    last = next((r for r in reversed(rows) if any(k.startswith(prefix) for k in r)), {})
+    return {k.removeprefix(prefix): float(v) for k, v in last.items() if k.startswith(prefix)}
 
 
 def run_simulation(cfg: SluiceConfig, profile: PlanProfile, opts: SimOptions,
@@ -251,6 +262,8 @@ def format_report(cfg: SluiceConfig, profile: PlanProfile, r: SimReport) -> str:
               f"{r.sandbox_wait_max_s:.0f} s",
               f"  admitted {r.admitted} groups, trained {r.trajectories_trained} trajectories, "
               f"dropped {r.dropped or 'none'}, ends {r.end_reasons}"]
+    if r.deadline:
+        lines.append(f"  group deadline: {', '.join(f'{k} {v:g}' for k, v in sorted(r.deadline.items()))}")
     return "\n".join(lines)
 
 

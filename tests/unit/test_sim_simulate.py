@@ -132,3 +132,17 @@ def test_doubling_the_trajectories_in_flight_lowers_the_hit_rate(capsys):
     assert main(["recipe=swe_grpo.yaml", *SMALL, "plan.kv_pool_gb_per_gpu=6", "--steps", "1",
                  "--double-in-flight"]) == 0
     assert "2x in flight" in capsys.readouterr().out
+
+
+def test_a_group_deadline_is_counted_in_the_report_with_its_length_bias():
+    """The seed's long tail under a group deadline that catches it (partial): the report
+    carries the buffer's deadline totals, cuts by turns and length included."""
+    cfg, profile = _cfg(steps=2, extra=("buffer.group_deadline_s=200",
+                                        "buffer.straggler_policy=partial"))
+    r, _ = run_simulation(cfg, profile, SimOptions(tail="seed", seed=1))
+    assert r.deadline["cut_samples"] == r.end_reasons["deadline"] > 0
+    assert r.deadline["partial_groups"] > 0
+    assert sum(v for k, v in r.deadline.items() if k.startswith("cut_by_turns/")) == \
+        r.deadline["cut_samples"]
+    none, _ = run_simulation(*_cfg(steps=2), SimOptions(tail="seed", seed=1))
+    assert none.deadline == {} and "deadline" not in none.end_reasons
