@@ -5,9 +5,9 @@ between the two worker processes) on the tiny model.
 vLLM's own choice inside a placement group is its Ray executor (which refuses a bundle of
 more than one GPU on CUDA, and any bundle on CPU); the first test shows that choice with
 vLLM's config code, in the engine's own actor, and that sluice's start path asks for the
-multiprocessing executor instead. The second uses the engine: generation matches a transformers forward,
-and a weight update reaches both TP workers (their outputs match the new weights and both
-report the same checksum). The third, on the same engine, fails a push on one TP worker
+multiprocessing executor instead. The second uses the engine: generation matches a
+transformers forward, and a weight update reaches both TP workers (their outputs match the
+new weights and both report the same checksum). The third, on the same engine, fails a push on one TP worker
 only and shows that both workers still answer the pushes after it in step.
 """
 
