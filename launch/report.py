@@ -132,15 +132,11 @@ def describe_versions(info: Mapping[str, object]) -> str:
     recorded = info.get("versions")
     if isinstance(recorded, dict) and recorded:
         return ", ".join(f"{k} {v}" for k, v in recorded.items())
-    from importlib import metadata
+    from envs.versions import installed_versions
 
-    found = []
-    for name in VERSION_PACKAGES:
-        try:
-            found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            continue
-    return ", ".join(found) + " (installed where this report was built; the run records none)"
+    found = installed_versions(VERSION_PACKAGES)
+    return (", ".join(f"{k} {v}" for k, v in found.items())
+            + " (installed where this report was built; the run records none)")
 
 
 def _wall_time(run: RunData) -> str:

