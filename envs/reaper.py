@@ -16,7 +16,8 @@ What belongs to sluice, and how a dead owner is told apart from a live one:
       sluice.sandbox=1)
     snapshot tars, engine folders        an owner tag in the name (envs.owner): the pid
       (sluice-snapshot-<tag>-*.tar,       of this pid namespace that made them no longer runs
-      sluice-container-engine-<tag>-*)
+      sluice-container-engine-<tag>-*,
+      vLLM sockets sluice-vllm-ipc-<tag>-*)
     the processes of a private Ray       an owner record written by trainer.run.pools when it
       cluster (raylet, GCS, agents,       started the cluster: the driver it names is gone.
       workers and their children)         Members: processes whose command line names the
@@ -53,7 +54,7 @@ SANDBOX_DIR = re.compile(r"^sluice-c?sandbox-(\d+)-[^/]+$")  # envs.sandbox.work
 CGROUP_DIR = re.compile(r"^sluice-sandbox-(\d+)$")  # envs.sandbox.local: SandboxCgroup.create
 CONTAINER = re.compile(r"^sluice-sandbox-(\d+)$")  # envs.sandbox.container: one per leased uid
 WORKSPACE_FS_SOURCE = "sluice-workspace"  # envs.sandbox.workspace.mount_tmpfs
-TAGGED = re.compile(r"^sluice-(?:snapshot|container-engine)-(\d+\.\d+)-")
+TAGGED = re.compile(r"^sluice-(?:snapshot|container-engine|vllm-ipc)-(\d+\.\d+)-")
 RAY_RECORD = "ray-session-{pid}.json"
 MAX_CGROUP_DEPTH = 8
 

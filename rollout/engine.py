@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from envs.owner import owner_tag
 from rollout.worker_reply import fold_checksums, fold_replies
 
 if TYPE_CHECKING:
@@ -154,20 +157,36 @@ def kv_offload_args(spec: EngineSpec) -> dict[str, Any]:
 
 
 @contextmanager
-def engine_core_env(spec: EngineSpec) -> Generator[None, None, None]:
+def engine_core_env(spec: EngineSpec, ipc_dir: str | None = None) -> Generator[None, None, None]:
     """The environment vLLM's engine core (a process it spawns) starts with, set only while
-    it is spawned. Under enforce_eager, TorchDynamo is off there: vLLM still torch.compiles
-    its sampler's rank count (vllm/v1/sample/ops/logprobs.py) at the first request that
-    asks for logprobs, and that trace and inductor C++ build cost ~7 CPU-s per engine
-    start (~2 s with a warm inductor cache) that eager mode is meant to skip."""
-    if not spec.enforce_eager or "TORCHDYNAMO_DISABLE" in os.environ:  # the user's own wins
-        yield
-        return
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    it is spawned; a user's own setting of either variable wins.
+
+    - Under enforce_eager, TorchDynamo is off there: vLLM still torch.compiles its
+      sampler's rank count (vllm/v1/sample/ops/logprobs.py) at the first request that asks
+      for logprobs, and that trace and inductor C++ build cost ~7 CPU-s per engine start
+      (~2 s with a warm inductor cache) that eager mode is meant to skip.
+    - `ipc_dir` holds the engine's ZeroMQ sockets (VLLM_RPC_BASE_PATH, read by vLLM when it
+      names them during the start, here and in the engine core): vLLM leaves a socket file
+      in the temp dir per address and never removes it, ~5 per engine start."""
+    wanted = {}
+    if spec.enforce_eager:
+        wanted["TORCHDYNAMO_DISABLE"] = "1"
+    if ipc_dir is not None:
+        wanted["VLLM_RPC_BASE_PATH"] = ipc_dir
+    ours = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(ours)
     try:
         yield
     finally:
-        del os.environ["TORCHDYNAMO_DISABLE"]
+        for k in ours:
+            del os.environ[k]
+
+
+def new_ipc_dir() -> str:
+    """A folder of this process's own for an engine's sockets (`engine_core_env`): removed
+    by `VLLMEngine.shutdown`, or by envs.reaper at the next start after a kill (the owner
+    tag names this process). Short: a socket path is capped at 107 characters."""
+    return tempfile.mkdtemp(prefix=f"sluice-vllm-ipc-{owner_tag()}-")
 
 
 def build_engine_args(spec: EngineSpec) -> Any:
@@ -243,10 +262,16 @@ class VLLMEngine:
         self._in_flight: set[str] = set()
         self._update_lock = asyncio.Lock()
         self._reset_refused = 0
+        self._ipc_dir: str | None = None  # the engine's sockets (new_ipc_dir)
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def ipc_dir(self) -> str | None:
+        """The folder of this engine's vLLM sockets while it runs (new_ipc_dir)."""
+        return self._ipc_dir
 
     async def start(self) -> None:
         s = self.spec
@@ -274,8 +299,13 @@ class VLLMEngine:
             # schedule them instead (an explicit VLLM_CPU_OMP_THREADS_BIND still wins).
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         start = time.monotonic()
-        with engine_core_env(s):
-            self._llm = AsyncLLM.from_engine_args(build_engine_args(s))
+        self._ipc_dir = new_ipc_dir()
+        try:
+            with engine_core_env(s, self._ipc_dir):
+                self._llm = AsyncLLM.from_engine_args(build_engine_args(s))
+        except BaseException:
+            self._remove_ipc_dir()
+            raise
         log.info("engine %s (tp=%d, %s executor) started in %.1fs", s.model_path, s.tp_size,
                  choose_executor_backend(s.tp_size), time.monotonic() - start)
 
@@ -283,6 +313,12 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     async def generate(self, request_id: str, prompt_ids: list[int] | np.ndarray,
                        sampling: Sampling) -> TokenOutput:

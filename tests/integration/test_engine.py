@@ -5,6 +5,9 @@ KV is recomputed by the new weights), abort, and stats from vLLM's own metrics."
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -51,6 +54,15 @@ async def test_generate_returns_tokens_logprobs_and_versions(engine, tiny_model_
     assert np.all(out.versions == 0) and out.num_prompt_tokens == len(PROMPT)
     ref = _hf_logprobs(_hf_model(tiny_model_path), PROMPT, out.token_ids)
     assert np.abs(out.logprobs - ref).mean() < 1e-3
+
+
+async def test_its_sockets_live_in_a_folder_of_its_own(engine):
+    """vLLM would leave them in the temp dir for good; the engine's shutdown removes this
+    folder, the reaper one whose engine was killed (test_reaper)."""
+    folder = engine.ipc_dir
+    assert folder is not None and os.path.basename(folder).startswith("sluice-vllm-ipc-")
+    sockets = [p for p in Path(folder).iterdir() if p.is_socket()]
+    assert sockets, "vLLM named its sockets elsewhere (VLLM_RPC_BASE_PATH not read?)"
 
 
 async def test_behaviour_logprobs_are_of_the_tempered_distribution(engine, tiny_model_path):

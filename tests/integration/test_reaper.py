@@ -127,6 +127,21 @@ def test_a_killed_local_sandbox_worker_leaves_nothing_after_the_reaper(scope):
         asyncio.run(live.release())
 
 
+def test_the_socket_folder_of_a_killed_engine_is_removed_and_a_live_ones_kept(scope):
+    """rollout.engine.new_ipc_dir: vLLM's sockets live in a folder tagged with the engine's
+    process, which its shutdown removes; after a kill the next start's reaper does."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead_tag = f"{owner_tag().partition('.')[0]}.{gone.pid}"
+    root = scope.roots[0]
+    dead, live = (os.path.join(root, f"sluice-vllm-ipc-{tag}-x") for tag in (dead_tag, owner_tag()))
+    for folder in (dead, live):
+        os.mkdir(folder)
+        Path(folder, "0a9bf83a-c04a-4108-89f6-3df7cf09cc9a").write_bytes(b"")
+    report = reap_stale_state(scope)
+    assert report.folders == [dead] and not os.path.exists(dead) and os.path.isdir(live)
+
+
 def test_a_killed_container_sandbox_worker_leaves_no_container(scope):
     from envs.sandbox.container import probe_container_backend
 

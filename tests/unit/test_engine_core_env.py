@@ -1,6 +1,7 @@
 """The environment an engine core is spawned with (rollout.engine.engine_core_env): under
-enforce_eager TorchDynamo is off only while the engine core starts, the launching
-process's environment is left as it was, and a user's own setting wins."""
+enforce_eager TorchDynamo is off only while the engine core starts, vLLM's sockets go to
+the engine's own folder, the launching process's environment is left as it was, and a
+user's own setting wins."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 
 import pytest
 
-from rollout.engine import EngineSpec, engine_core_env
+from envs.owner import owner_tag
+from rollout.engine import EngineSpec, engine_core_env, new_ipc_dir
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -32,3 +34,15 @@ def test_a_failed_start_restores_the_environment(monkeypatch):
     with pytest.raises(RuntimeError), engine_core_env(EngineSpec(model_path="m", enforce_eager=True)):
         raise RuntimeError("engine core failed to start")
     assert "TORCHDYNAMO_DISABLE" not in os.environ
+
+
+def test_the_sockets_go_to_the_engines_own_folder_only_while_it_starts(monkeypatch):
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    folder = new_ipc_dir()
+    try:
+        assert os.path.basename(folder).startswith(f"sluice-vllm-ipc-{owner_tag()}-")
+        with engine_core_env(EngineSpec(model_path="m", enforce_eager=False), folder):
+            assert os.environ["VLLM_RPC_BASE_PATH"] == folder
+        assert "VLLM_RPC_BASE_PATH" not in os.environ
+    finally:
+        os.rmdir(folder)
