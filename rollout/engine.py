@@ -303,7 +303,7 @@ class VLLMEngine:
         try:
             with engine_core_env(s, self._ipc_dir):
                 self._llm = AsyncLLM.from_engine_args(build_engine_args(s))
-        except BaseException:
+        except BaseException:  # a failed or interrupted start leaves no socket folder behind
             self._remove_ipc_dir()
             raise
         log.info("engine %s (tp=%d, %s executor) started in %.1fs", s.model_path, s.tp_size,
