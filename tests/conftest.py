@@ -85,3 +85,19 @@ def tiny_model_path() -> Path:
     from trainer.run.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    """The tiny model's tokenizer (a module may define its own `tokenizer`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    """The tiny model's continuity builder (rollout.chat), no reasoning parser."""
+    from rollout.chat import build_continuity_builder
+
+    return build_continuity_builder(tokenizer, "tiny", reasoning_parser="none")

@@ -17,7 +17,10 @@ worker to salvage (ending `timeout`), the earlier ones on `ctx.segments` as well
 
 `num_gateway_processes` > 0 serves the sessions from that many gateway processes
 (rollout.gateway.procs) instead of this worker's event loop; their generations still go
-through this worker's turn gate and router.
+through this worker's turn gate and router. If a session's process dies, its harness is
+stopped at once (its requests could only fail) and the session ends `error`; its segments
+are rebuilt from the session's journal (rollout.gateway.journal), so the sample keeps what
+the engine generated, and fails as a whole when a generation was in flight.
 """
 
 from __future__ import annotations
@@ -72,11 +75,19 @@ class _InProcessHost:
                             detail: str = "") -> list[Trajectory]:
         return self.server.gateway.close_session(handle.id, reason, detail)
 
+    async def session_lost(self, handle: SessionHandle) -> str:
+        """Never returns: this gateway dies only with the worker."""
+        return await asyncio.get_running_loop().create_future()
+
     def stats(self) -> GatewayStats:
         return self.server.gateway.stats()
 
     async def stop(self) -> None:
         await self.server.stop()
+
+
+class SessionLost(Exception):
+    """The session's gateway process died while its harness ran."""
 
 
 class _ClosedSegment:
@@ -141,10 +152,12 @@ class GatewayAgentLoop:
         endpoint = HarnessEndpoint(handle.url + "/v1", handle.url, handle.token, self.model_name)
         reason, detail = TerminationReason.ERROR, "the harness was cancelled"
         try:
-            reason = await asyncio.wait_for(self.run_harness(task, endpoint, ctx), self.harness_timeout_s)
+            reason = await self._harness_unless_lost(host, handle, task, endpoint, ctx)
             detail = ""
         except TimeoutError:
             reason, detail = TerminationReason.TIMEOUT, f"the harness ran over {self.harness_timeout_s:g} s"
+        except SessionLost as exc:
+            reason, detail = TerminationReason.ERROR, str(exc)
         except Exception as exc:  # the harness failing is this trajectory's ending, not the worker's
             reason, detail = TerminationReason.ERROR, f"harness failed: {type(exc).__name__}: {exc}"
         finally:
@@ -156,6 +169,24 @@ class GatewayAgentLoop:
             rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, ctx.tool_schemas or None))
             return rec.finish(TerminationReason.ERROR, detail or "the harness made no model request")
         return segments[-1]
+
+    async def _harness_unless_lost(self, host: "_InProcessHost | GatewayProcesses", handle: SessionHandle,
+                                   task: Task, endpoint: HarnessEndpoint, ctx: "AgentContext") -> TerminationReason:
+        """The harness's ending (bounded by harness_timeout_s); SessionLost, the harness
+        cancelled, if the session's gateway process dies first."""
+        harness = asyncio.ensure_future(asyncio.wait_for(self.run_harness(task, endpoint, ctx),
+                                                         self.harness_timeout_s))
+        lost = asyncio.ensure_future(host.session_lost(handle))
+        try:
+            done, _ = await asyncio.wait((harness, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # on the way out, cancelled or not: neither outlives the session
+            lost.cancel()
+            if not harness.done():
+                harness.cancel()
+                await asyncio.gather(harness, return_exceptions=True)  # its clean-up runs (a subprocess killed)
+        if harness in done:
+            return harness.result()
+        raise SessionLost(f"{lost.result()} while the harness ran: it was stopped")
 
     async def close(self) -> None:
         if self._host is not None:

@@ -13,6 +13,13 @@ with the fewest open sessions; its segments come back when the worker closes it.
 process rebuilds the tokenizer and continuity builder from `ChatSpec` (the builder holds
 vLLM parsers, which do not pickle). Processes are spawned (no fork of an event loop with
 engines) and exit when the worker's connection closes.
+
+Fail-closed: each process journals its sessions into a folder of this worker
+(rollout.gateway.journal). When a process's connection closes while the worker runs, the
+process is lost: it is killed if it still runs, its sessions' harnesses are stopped
+(`session_lost`), closing one of its sessions rebuilds the segments from the session's
+journal (a generation in flight at the death fails the sample: `error`), and the next
+session to open first starts a replacement process.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np
 from envs.types import TerminationReason, Trajectory
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
+from rollout.gateway.journal import JournalError, journal_path, read_journal, rebuild_session, remove_journal
 from rollout.gateway.server import Gateway, GatewaySettings, GatewayServer, GatewayStats, sum_gateway_stats
 from rollout.router import Router
 
@@ -116,6 +124,8 @@ class RpcPeer:
                 if not future.done():
                     future.set_exception(ConnectionError("the gateway connection closed"))
             self._pending.clear()
+            for task in self._tasks:  # nobody will read their answers (a lost process's generations)
+                task.cancel()
 
     async def _answer(self, call_id: int, method: str, args: tuple) -> None:
         try:
@@ -158,8 +168,27 @@ class _Process:
         self.peer: RpcPeer | None = None
         self.url = ""
         self.open_sessions = 0
-        self.stats = GatewayStats(0, 0, 0, 0, 0, 0, 0)
+        self.stats = GatewayStats(0, 0, 0, 0, 0, 0, 0)  # as of its last closed session
         self.ready = asyncio.get_running_loop().create_future()
+        self.lost = asyncio.Event()  # its connection closed: never chosen again
+        self._reaped: asyncio.Task | None = None
+
+    def cause(self) -> str:
+        code = self.proc.exitcode
+        return (f"gateway process {self.index} died (exit code {code})" if code is not None
+                else f"gateway process {self.index} closed its connection to the worker")
+
+    def reap(self) -> asyncio.Task:
+        """Kill it if it still runs, and join it, once: its sessions' journals are read only
+        when nothing can append to them any more."""
+        if self._reaped is None:
+            self._reaped = asyncio.ensure_future(self._kill_and_join())
+        return self._reaped
+
+    async def _kill_and_join(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        await asyncio.to_thread(self.proc.join, 30)
 
 
 class GatewayProcesses:
@@ -173,37 +202,78 @@ class GatewayProcesses:
         self.turns = LocalTurns(router, gate)
         self.spec, self.settings = ChatSpec.of(chat), settings
         self.num_processes, self.host, self.start_timeout_s = num_processes, host, start_timeout_s
-        self._procs: list[_Process] = []
+        self._procs: list[_Process] = []  # every process started, lost ones too (index = position)
         self._server: asyncio.AbstractServer | None = None
         self._dir = tempfile.mkdtemp(prefix="sluice-gw-")
+        self._socket = os.path.join(self._dir, "worker.sock")
+        self.journal_dir = os.path.join(self._dir, "journals")  # one file per open session
+        os.mkdir(self.journal_dir)
+        self._replacing = asyncio.Lock()
+        self._stopping = False
+        self._num_recovered = self._num_masked = 0
 
     async def start(self) -> None:
-        path = os.path.join(self._dir, "worker.sock")
-        self._server = await asyncio.start_unix_server(self._accept, path=path)
-        ctx = multiprocessing.get_context("spawn")  # no fork of a loop holding engines
-        for i in range(self.num_processes):
-            proc = ctx.Process(target=_process_main, args=(path, i, self.spec, self.settings, self.host),
-                               daemon=True, name=f"sluice-gateway-{i}")
-            proc.start()
-            self._procs.append(_Process(i, proc))
+        self._server = await asyncio.start_unix_server(self._accept, path=self._socket)
         try:
-            await asyncio.wait_for(asyncio.gather(*(p.ready for p in self._procs)), self.start_timeout_s)
+            await self._spawn(self.num_processes)
         except BaseException:  # timeout or cancellation included: the processes are stopped, then re-raised
             await self.stop()
             raise
         log.info("%d gateway processes: %s", self.num_processes, ", ".join(p.url for p in self._procs))
 
+    async def _spawn(self, count: int) -> None:
+        """Start `count` more processes and wait until each has said hello; ones that do
+        not in time are killed (and count as lost)."""
+        ctx = multiprocessing.get_context("spawn")  # no fork of a loop holding engines
+        new = []
+        for _ in range(count):
+            index = len(self._procs)
+            proc = ctx.Process(target=_process_main,
+                               args=(self._socket, index, self.spec, self.settings, self.host, self.journal_dir),
+                               daemon=True, name=f"sluice-gateway-{index}")
+            proc.start()
+            new.append(_Process(index, proc))
+            self._procs.append(new[-1])
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.ready for p in new)), self.start_timeout_s)
+        except BaseException:  # timeout or cancellation included: these are killed, then re-raised
+            for p in new:
+                p.lost.set()
+                await asyncio.shield(p.reap())
+            raise
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         procs = self._procs
+        said_hello: list[_Process] = []
 
         async def hello(index: int, url: str) -> None:
             procs[index].url = url
             procs[index].peer = peer
+            said_hello.append(procs[index])
             if not procs[index].ready.done():
                 procs[index].ready.set_result(None)
 
         peer = RpcPeer(reader, writer, {"generate_turn": self.turns.generate_turn, "hello": hello})
         await peer.serve()
+        for proc in said_hello:
+            if not self._stopping and not proc.lost.is_set():
+                self._lose(proc)
+
+    def _lose(self, proc: _Process) -> None:
+        """`proc`'s connection closed while the worker runs: it died (or is killed now)."""
+        proc.lost.set()
+        proc.reap()
+        log.warning("gateway process %d lost (its connection closed) with %d sessions open; they end as "
+                    "their harnesses are stopped, their segments rebuilt from their journals",
+                    proc.index, proc.open_sessions)
+
+    async def _replace_lost(self) -> None:
+        """A new process for each one lost, before the next session opens."""
+        async with self._replacing:
+            missing = self.num_processes - sum(not p.lost.is_set() for p in self._procs)
+            if missing > 0:
+                await self._spawn(missing)
+                log.info("started %d gateway processes in place of lost ones", missing)
 
     def _peer(self, proc: _Process) -> RpcPeer:
         if proc.peer is None:
@@ -211,7 +281,8 @@ class GatewayProcesses:
         return proc.peer
 
     async def open_session(self, task_id: str, group_id: str, index: int) -> SessionHandle:
-        proc = min(self._procs, key=lambda p: (p.open_sessions, p.index))
+        await self._replace_lost()
+        proc = min((p for p in self._procs if not p.lost.is_set()), key=lambda p: (p.open_sessions, p.index))
         proc.open_sessions += 1
         try:
             session_id, token = await self._peer(proc).call("open_session", task_id, group_id, index)
@@ -222,23 +293,63 @@ class GatewayProcesses:
 
     async def close_session(self, handle: SessionHandle, reason: TerminationReason,
                             detail: str = "") -> list[Trajectory]:
+        """The session's segments, ending with `reason`: from its process, or rebuilt from
+        its journal if the process was lost (then counted in the journal's stats)."""
         proc = self._procs[handle.process]
         try:
-            segments, proc.stats = await self._peer(proc).call("close_session", handle.id, reason, detail)
+            if not proc.lost.is_set():
+                try:
+                    segments, proc.stats = await self._peer(proc).call("close_session", handle.id, reason, detail)
+                    return segments
+                except ConnectionError:  # it died before answering: its journal has the session
+                    pass
+            return await self._recover(proc, handle, reason, detail)
         finally:
             proc.open_sessions -= 1
-        return segments
+
+    async def _recover(self, proc: _Process, handle: SessionHandle, reason: TerminationReason,
+                       detail: str) -> list[Trajectory]:
+        await asyncio.shield(proc.reap())  # the writer is gone: the journal is final
+        path = journal_path(self.journal_dir, handle.id)
+        try:
+            recovered = rebuild_session(read_journal(path), self.settings.budgets, reason, detail, proc.cause())
+        except JournalError as exc:  # nothing trustworthy to train: the sample fails (no segments)
+            log.error("%s with session %s open; its journal cannot be rebuilt: %s", proc.cause(), handle.id, exc)
+            self._num_masked += 1
+            return []
+        finally:
+            remove_journal(path)
+        self._num_recovered += len(recovered.segments)
+        self._num_masked += recovered.masked
+        log.warning("%s with session %s open: %d segments rebuilt from its journal%s%s", proc.cause(), handle.id,
+                    len(recovered.segments), "; a generation was in flight: the sample fails (error)"
+                    if recovered.masked else "", " (its torn last record ignored)" if recovered.torn else "")
+        return list(recovered.segments)
+
+    async def session_lost(self, handle: SessionHandle) -> str:
+        """Returns, saying what happened, once the session's process is lost (and reaped:
+        its exit code is known)."""
+        proc = self._procs[handle.process]
+        await proc.lost.wait()
+        await asyncio.shield(proc.reap())
+        return proc.cause()
 
     def stats(self) -> GatewayStats:
-        """Totals of every process, as of each one's last closed session (no round trip)."""
+        """Totals of every process, as of each one's last closed session (no round trip),
+        lost processes included, and of the sessions rebuilt from journals."""
         total = sum_gateway_stats([p.stats for p in self._procs])
-        return replace(total, num_open_sessions=sum(p.open_sessions for p in self._procs))
+        return replace(total, num_open_sessions=sum(p.open_sessions for p in self._procs),
+                       num_journal_recovered=self._num_recovered, num_journal_masked=self._num_masked)
 
     async def stop(self) -> None:
+        self._stopping = True
         for p in self._procs:
             if p.peer is not None:
                 p.peer.close()
         for p in self._procs:
+            if p.lost.is_set():  # already being reaped: joined once, by that task
+                await asyncio.shield(p.reap())
+                continue
             await asyncio.to_thread(p.proc.join, 10)
             if p.proc.is_alive():
                 p.proc.kill()
@@ -251,13 +362,15 @@ class GatewayProcesses:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _process_main(path: str, index: int, spec: ChatSpec, settings: GatewaySettings, host: str) -> None:
-    asyncio.run(_serve_process(path, index, spec, settings, host))
+def _process_main(path: str, index: int, spec: ChatSpec, settings: GatewaySettings, host: str,
+                  journal_dir: str) -> None:
+    asyncio.run(_serve_process(path, index, spec, settings, host, journal_dir))
 
 
-async def _serve_process(path: str, index: int, spec: ChatSpec, settings: GatewaySettings, host: str) -> None:
-    """One gateway process: a Gateway over RemoteTurns behind uvicorn, until the worker's
-    connection closes."""
+async def _serve_process(path: str, index: int, spec: ChatSpec, settings: GatewaySettings, host: str,
+                         journal_dir: str) -> None:
+    """One gateway process: a Gateway over RemoteTurns behind uvicorn, journaling its
+    sessions into `journal_dir`, until the worker's connection closes."""
     tokenizer, chat = spec.build()
     reader, writer = await asyncio.open_unix_connection(path)
     holder: dict[str, Gateway] = {}
@@ -274,7 +387,8 @@ async def _serve_process(path: str, index: int, spec: ChatSpec, settings: Gatewa
         return holder["gw"].stats()
 
     peer = RpcPeer(reader, writer, {"open_session": open_session, "close_session": close_session, "stats": stats})
-    gateway = holder["gw"] = Gateway(None, None, chat, tokenizer, settings, turns=RemoteTurns(peer))
+    gateway = holder["gw"] = Gateway(None, None, chat, tokenizer, settings, turns=RemoteTurns(peer),
+                                     journal_dir=journal_dir)
     server = GatewayServer(gateway, host=host)
     serving = asyncio.create_task(peer.serve())
     await server.start()

@@ -33,6 +33,11 @@ the turn gate and the router of the agent-loop worker (LocalTurns, when the gate
 on the worker's event loop; RemoteTurns from a gateway process, rollout.gateway.procs), so
 a weight push still lands between turns. fastapi and uvicorn are imported only when the
 app is built.
+
+With `journal_dir` (gateway processes), each session also appends every change to its
+segments to a journal file there (rollout.gateway.journal): the generation call before it
+is dispatched and after it completed, before the reply goes out, so the worker rebuilds
+the segments if this process dies.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations
@@ -56,6 +61,7 @@ from envs.types import Message, TerminationReason, Trajectory
 from rollout.chat import ContinuityBuilder, encode
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
+from rollout.gateway.journal import REWRITE_DETAIL, SessionJournal, journal_path
 from rollout.gateway.protocol import (TurnReply, TurnRequest, anthropic_response, anthropic_stream,
                                       extension_suffix, openai_response, openai_stream, parse_anthropic_request,
                                       parse_openai_request)
@@ -113,10 +119,14 @@ class GatewayStats:
     num_errors: int  # requests answered with an error status: every refusal (4xx) and 500
     # ErrorReason value -> requests; sums to num_errors.
     errors_by_reason: Mapping[str, int] = field(default_factory=dict)
+    # Counted by the worker (rollout.gateway.procs) when a gateway process died with sessions open:
+    num_journal_recovered: int = 0  # segments rebuilt from those sessions' journals
+    num_journal_masked: int = 0  # of those sessions, samples failed: a generation was in flight
 
     def as_metrics(self) -> dict[str, float]:
         """gateway/* keys (totals since the gateway started; docs/metrics.md); a reason's
-        gateway/errors/<reason> once it has happened."""
+        gateway/errors/<reason> once it has happened, the journal's keys once a gateway
+        process has died with sessions open."""
         return {"gateway/sessions": float(self.num_sessions),
                 "gateway/open_sessions": float(self.num_open_sessions),
                 "gateway/segments": float(self.num_segments),
@@ -125,7 +135,10 @@ class GatewayStats:
                 "gateway/reencoded_tokens": float(self.num_reencoded_tokens),
                 "gateway/requests": float(self.num_requests),
                 "gateway/errors": float(self.num_errors),
-                **{f"gateway/errors/{reason}": float(n) for reason, n in sorted(self.errors_by_reason.items()) if n}}
+                **{f"gateway/errors/{reason}": float(n) for reason, n in sorted(self.errors_by_reason.items()) if n},
+                **({"gateway/journal_recovered": float(self.num_journal_recovered),
+                    "gateway/journal_masked": float(self.num_journal_masked)}
+                   if self.num_journal_recovered or self.num_journal_masked else {})}
 
 
 def sum_gateway_stats(stats: Sequence[GatewayStats]) -> GatewayStats:
@@ -159,6 +172,7 @@ class GatewaySession:
     ended_with_stop: bool = False
     replied_at: float = 0.0
     num_requests: int = 0
+    journal: SessionJournal = field(default_factory=lambda: SessionJournal(None))  # no path: not journaled
 
 
 class TurnService(Protocol):
@@ -174,7 +188,8 @@ class Gateway:
     Generations go through `router` and `gate` of this process, or through `turns`."""
 
     def __init__(self, router: Router | None, gate: TurnGate | None, chat: ContinuityBuilder, tokenizer: Any,
-                 settings: GatewaySettings, *, turns: TurnService | None = None) -> None:
+                 settings: GatewaySettings, *, turns: TurnService | None = None,
+                 journal_dir: str | None = None) -> None:
         self.router, self.gate, self.chat, self.tokenizer = router, gate, chat, tokenizer
         if turns is None:
             if router is None or gate is None:
@@ -182,6 +197,7 @@ class Gateway:
             turns = LocalTurns(router, gate)
         self.turns = turns
         self.settings = settings
+        self.journal_dir = journal_dir  # None: sessions are not journaled (the in-process gateway)
         self._sessions: dict[str, GatewaySession] = {}
         self._by_token: dict[str, str] = {}
         self._num_sessions = self._num_segments = self._num_breaks = 0
@@ -202,6 +218,9 @@ class Gateway:
         context, so a trajectory timeout salvages it)."""
         session = GatewaySession(uuid.uuid4().hex, secrets.token_urlsafe(24), task_id, group_id, index,
                                  f"{group_id}/{index}", on_segment)
+        if self.journal_dir is not None:
+            session.journal = SessionJournal(journal_path(self.journal_dir, session.id))
+            session.journal.opened(task_id, group_id, index)
         self._sessions[session.id] = session
         self._by_token[session.token] = session.id
         self._num_sessions += 1
@@ -213,6 +232,7 @@ class Gateway:
         The token stops working at once."""
         session = self._sessions.pop(session_id)
         self._by_token.pop(session.token, None)
+        session.journal.close()
         if session.recorder is not None and session.recorder.turns:
             session.segments.append(session.recorder.finish(reason, detail))
             session.recorder = None
@@ -324,6 +344,9 @@ class Gateway:
         else:
             ids = out.token_ids.tolist()[:-1] if ended else out.token_ids.tolist()
             content, calls, reasoning = self.tokenizer.decode(ids, skip_special_tokens=False), (), None
+        # Journaled before the reply goes out: whatever the harness was answered, the
+        # journal holds (the parse status included, so the turn is whole).
+        session.journal.completed(session.num_requests, out, rec.turns[-1])
         session.previous, session.previous_tools = request.messages, request.tools
         session.reply = Message("assistant", content, tuple(calls))
         session.ended_with_stop, session.replied_at = ended, time.monotonic()
@@ -358,8 +381,9 @@ class Gateway:
                 if (stop := rec.fits_observation(len(ids))) is not None:
                     raise ProtocolError(400, f"the conversation no longer fits the model's budget ({stop.value})",
                                         "context_length_exceeded", reason=ErrorReason.CONTEXT)
-                rec.add_observation(ids, sum(m.role == "tool" for m in suffix), 0,
-                                    time.monotonic() - session.replied_at)
+                num_tool_calls, tool_s = sum(m.role == "tool" for m in suffix), time.monotonic() - session.replied_at
+                rec.add_observation(ids, num_tool_calls, 0, tool_s)
+                session.journal.observation_added(ids, num_tool_calls, tool_s)
                 return rec
         self._check_fits(request.messages, self.settings.budgets.max_context_tokens)
         first = rec is None and not session.segments
@@ -372,12 +396,13 @@ class Gateway:
         if rec is not None:
             self._num_breaks += 1
             if rec.turns:  # a segment without a generation has nothing to train on
-                session.segments.append(rec.finish(TerminationReason.FINISHED, "the harness rewrote its history"))
+                session.segments.append(rec.finish(TerminationReason.FINISHED, REWRITE_DETAIL))
         if session.segments:
             self._num_reencoded += len(prompt)
         rec = TrajectoryRecorder(session.task_id, session.group_id, session.index, prompt,
                                  self.settings.budgets)
         session.recorder = rec
+        session.journal.segment_started(rec.prompt_ids)
         self._num_segments += 1
         if session.on_segment is not None:
             session.on_segment(rec)
@@ -435,9 +460,14 @@ class Gateway:
                             top_p=top_p, top_k=s.top_k, stop_token_ids=self._stop_ids + extra_stops)
         started_at = time.time()
         session.num_requests += 1
-        turn = await self.turns.generate_turn(session.router_session,
-                                              f"{session.router_session}#{session.num_requests}",
-                                              rec.context_ids, sampling)
+        call = session.num_requests
+        session.journal.dispatched(call, len(rec.context_ids))
+        try:
+            turn = await self.turns.generate_turn(session.router_session, f"{session.router_session}#{call}",
+                                                  rec.context_ids, sampling)
+        except BaseException:  # cancellation included: journaled as recording nothing, then re-raised
+            session.journal.failed(call)
+            raise
         rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
         return turn.output
 

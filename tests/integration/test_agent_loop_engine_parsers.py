@@ -35,13 +35,6 @@ log = logging.getLogger(__name__)
 PARSERS = ["hermes", "qwen3_coder", "glm45", "kimi_k2", "minimax_m2", "pythonic", "openai"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
 @pytest.mark.parametrize("tool_parser", PARSERS)
 async def test_the_tiny_model_under_each_parser_never_raises(engine, tokenizer, tool_parser):
     chat = build_continuity_builder(tokenizer, "tiny", tool_parser=tool_parser, reasoning_parser="none")

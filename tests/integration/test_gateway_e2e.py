@@ -4,10 +4,17 @@ its segment, the segment's logprobs and versions are the engine's, streaming and
 non-streaming agree in shape, a history rewrite makes a new segment, another session's
 token is refused, malformed bodies get the protocol's errors (bad input a 4xx, never a 500),
 and GatewayAgentLoop runs a harness through the real agent-loop worker, where a rewritten
-session is trained as two exact segments under one reward and advantage.
+session is trained as two exact segments under one reward and advantage. A gateway process
+SIGKILLed mid-session, a generation in flight: the session's segments are rebuilt from its
+journal exactly as the engine generated them, the sample fails (masked by the buffer), the
+counters move, and a replacement process serves the next session.
 """
 
 from __future__ import annotations
+
+import asyncio
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -17,7 +24,6 @@ from envs.trajectory_env import EnvBuilder
 from envs.types import Message, Task, TerminationReason
 from reward.loop import RewardLoop
 from rollout.agent_loop import LoopSettings
-from rollout.chat import build_continuity_builder
 from rollout.gate import TurnGate
 from rollout.gateway.server import Gateway, GatewayServer, GatewaySettings
 from rollout.gateway.loop import GatewayAgentLoop, HarnessEndpoint
@@ -34,7 +40,8 @@ def engine(shared_engine):
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo text.",
-                                           "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"text": {"type": "string"}}}}}]
 
 
 class RecordingEngine:
@@ -53,18 +60,6 @@ class RecordingEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def chat(tokenizer):
-    return build_continuity_builder(tokenizer, "tiny", reasoning_parser="none")
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="module")
@@ -257,8 +252,8 @@ class ChattyHarness(GatewayAgentLoop):
         return TerminationReason.FINISHED
 
 
-def gateway_worker(engine, tokenizer, chat, loop: str):
-    recording = RecordingEngine(engine)
+def gateway_worker(engine, tokenizer, chat, loop: str, recording: RecordingEngine | None = None):
+    recording = recording or RecordingEngine(engine)
     settings = LoopSettings(budgets=Budgets(1024, 600, 24), max_turns=4, max_tool_calls_per_turn=2,
                             tool_timeout_s=5)
     worker = AgentLoopWorker(
@@ -333,3 +328,93 @@ async def test_a_rewritten_session_trains_two_exact_segments_under_one_reward(en
         assert [p.stats.num_sessions for p in worker.loop_for(task).host._procs] == [1, 1]
     assert metrics["gateway/reencoded_tokens"] == sum(len(t.prompt_ids) for t in group.trajectories if t.segment)
     await worker.loop_for(task).close()
+
+
+class HoldingEngine(RecordingEngine):
+    """The recording engine, except that calls whose request id starts with `hold_prefix`
+    are held, never answered (until their caller gives up on them)."""
+
+    def __init__(self, engine, hold_prefix: str) -> None:
+        super().__init__(engine)
+        self.hold_prefix = hold_prefix
+        self.held = asyncio.Event()
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        if request_id.startswith(self.hold_prefix):
+            self.held.set()
+            await asyncio.Event().wait()  # cancelled by the worker once the process's connection is gone
+        return await super().generate(request_id, prompt_ids, sampling)
+
+
+class FourTurnsInOneProcess(GatewayAgentLoop):
+    """Four turns with the official OpenAI client, from one gateway process; what each
+    reply said is kept by (group, sample)."""
+
+    model_name = "tiny"
+    num_gateway_processes = 1
+    received: dict[tuple[str, int], list] = {}
+
+    async def run_harness(self, task: Task, endpoint: HarnessEndpoint, ctx) -> TerminationReason:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=endpoint.openai_base_url, api_key=endpoint.api_key, max_retries=0)
+        messages = [m.to_template() for m in task.messages]
+        replies = self.received.setdefault((ctx.group_id, ctx.index), [])
+        for turn in range(4):
+            out = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=12)
+            replies.append(out)
+            messages += [out.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": f"Go on ({turn})."}]
+        return TerminationReason.FINISHED
+
+
+async def test_a_killed_gateway_process_loses_nothing_the_engine_completed(engine, tokenizer, chat):
+    """Two samples on one gateway process; sample 1 finishes, sample 0's third generation
+    is held in the engine and the process is SIGKILLed. Sample 0 keeps exactly the two
+    generations the engine completed (ids, logprobs, versions), ends `error` (its third
+    turn is unknown) and the buffer masks it; the journal counters move; a replacement
+    process serves the next session; no journal is left behind."""
+    from buffer.replay_buffer import ReplayBuffer
+
+    recording = HoldingEngine(engine, "kill/0#3")
+    worker, _ = gateway_worker(engine, tokenizer, chat, f"{__name__}:FourTurnsInOneProcess", recording)
+    task = Task("hi", (Message("system", "Be brief."), Message("user", "Say hi.")), answer="hi")
+    loop = worker.loop_for(task)
+    running = asyncio.create_task(worker.run_group(task, "kill", 2))
+    await asyncio.wait_for(recording.held.wait(), 600)  # the process starts first
+    async with asyncio.timeout(300):
+        while worker.stats().num_running > 1:  # sample 1's four turns, on the same process
+            await asyncio.sleep(0.05)
+    (process,) = loop.host._procs
+    os.kill(process.proc.pid, signal.SIGKILL)
+    group = await asyncio.wait_for(running, 120)
+
+    (killed,) = [t for t in group.trajectories if t.index == 0]
+    calls = [(p, o) for rid, p, o in recording.calls_with_ids if rid.startswith("kill/0#")]
+    assert len(calls) == 2 and len(killed.turns) == 2  # what the engine completed; nothing of the third
+    assert_exact(killed, calls)
+    replies = FourTurnsInOneProcess.received[("kill", 0)]
+    assert [r.usage.completion_tokens for r in replies] == [t.num_generated for t in killed.turns]
+    assert [r.usage.prompt_tokens for r in replies] == [len(p) for p, _ in calls]
+    assert killed.response_mask[-1] == 0  # ends on the third request's user turn, sent, never answered
+    assert killed.termination is TerminationReason.ERROR
+    assert "exit code -9" in killed.termination_detail and "never completed" in killed.termination_detail
+    (finished,) = [t for t in group.trajectories if t.index == 1]
+    assert finished.termination is TerminationReason.FINISHED and len(finished.turns) == 4
+    assert_exact(finished, [(p, o) for rid, p, o in recording.calls_with_ids if rid.startswith("kill/1#")])
+
+    buffer = ReplayBuffer(max_staleness=1, groups_per_step=1, failure_policy="mask")
+    assert buffer.try_admit() and buffer.put(group) == "buffered"
+    (trained,) = buffer.get(1, version=0)
+    assert [t.num_model_tokens for t in trained.trajectories] == [0, finished.num_model_tokens]
+    metrics = worker.stats().gateway.as_metrics()
+    assert metrics["gateway/journal_recovered"] == 1 and metrics["gateway/journal_masked"] == 1
+    assert metrics["gateway/open_sessions"] == 0 and metrics["gateway/sessions"] == 2
+
+    fresh = await asyncio.wait_for(worker.run_group(task, "fresh", 1), 600)
+    (t,) = fresh.trajectories
+    assert t.termination is TerminationReason.FINISHED and len(t.turns) == 4
+    assert [p.lost.is_set() for p in loop.host._procs] == [True, False]  # served by the replacement
+    assert os.listdir(loop.host.journal_dir) == []
+    assert worker.stats().gateway.as_metrics()["gateway/journal_recovered"] == 1
+    await loop.close()

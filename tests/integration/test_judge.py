@@ -10,7 +10,6 @@ import asyncio
 import math
 
 import pytest
-from transformers import AutoTokenizer
 
 from reward.base import RewardContext, RewardResult
 from reward.judge import GenerativeJudge, render_judge_prompt
@@ -28,11 +27,6 @@ def engine(shared_engine):
 
 TASK = Task("t", (Message("system", "You are helpful."), Message("user", "What is 2 + 2?")),
             answer="4")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 def client(engine, tokenizer, max_new_tokens: int = 48) -> EngineJudgeClient:

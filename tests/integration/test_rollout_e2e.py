@@ -123,13 +123,6 @@ async def cluster(tiny_model_path):
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
 def make_worker(tokenizer, router, max_turns=4, max_new=24):
     settings = LoopSettings(budgets=Budgets(2048, 1500, max_new), max_turns=max_turns,
                             max_tool_calls_per_turn=2, tool_timeout_s=30)

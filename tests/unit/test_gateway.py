@@ -35,7 +35,8 @@ from rollout.router import Router
 
 CALL = '<tool_call>\n{"name": "echo", "arguments": {"text": "hi"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo text.",
-                                           "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"text": {"type": "string"}}}}}]
 HEAD = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Echo hi."}]
 
 
@@ -57,18 +58,6 @@ class FakeScriptedEngine:
         self.outputs.append(out)
         await asyncio.sleep(0)
         return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
-def chat(tokenizer):
-    return build_continuity_builder(tokenizer, "tiny", reasoning_parser="none")
 
 
 def make(tokenizer, chat, script):
@@ -161,7 +150,8 @@ async def test_anthropic_tool_use_and_tool_result(tokenizer, chat):
     (use,) = [b for b in first["content"] if b["type"] == "tool_use"]
     assert use["name"] == "echo" and use["input"] == {"text": "hi"}
     body["messages"] += [{"role": "assistant", "content": first["content"]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "hi"}]}]
+                         {"role": "user",
+                          "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "hi"}]}]
     second = await ask(gateway, session, body, "anthropic")
     assert second["content"] == [{"type": "text", "text": "Done."}] and second["stop_reason"] == "end_turn"
     (segment,) = gateway.close_session(session.id, TerminationReason.FINISHED)
@@ -474,7 +464,10 @@ async def chunks_of(data: bytes, size: int = 65536, consumed: list[int] | None =
         yield data[start:start + size]
 
 
-def small_gateway(tokenizer, chat, script=("ok",), budgets=Budgets(4096, 2048, 256), **settings):
+SMALL_BUDGETS = Budgets(4096, 2048, 256)
+
+
+def small_gateway(tokenizer, chat, script=("ok",), budgets=SMALL_BUDGETS, **settings):
     engine = FakeScriptedEngine(tokenizer, list(script), chat.end_of_turn_id)
     return Gateway(Router({"e0": engine}), TurnGate(), chat, tokenizer,
                    GatewaySettings("policy", budgets, **settings)), engine
@@ -591,7 +584,8 @@ async def test_every_refusal_is_counted_by_reason(tokenizer, chat):
     failing = Gateway(Router({"e0": FakeFailingEngine()}), TurnGate(), chat, tokenizer, gateway.settings)
     session = failing.open_session("t", "g", 0)
     with pytest.raises(ProtocolError) as failed:
-        await failing.handle("openai", session.id, session.token, None, chunks_of(json.dumps({"messages": HEAD}).encode()))
+        await failing.handle("openai", session.id, session.token, None,
+                             chunks_of(json.dumps({"messages": HEAD}).encode()))
     assert failed.value.status == 500 and "engine died" in failed.value.message
     trusting, engine = small_gateway(tokenizer, chat, trust_request_sampling=True)
     session = trusting.open_session("t", "g", 0)
