@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from envs.tools.base import Tool
 from envs.trajectory_env import TrajectoryEnv
 from rollout.chat import ContinuityBuilder, check_continuity
+from rollout.durable import DurableTrajectory, ToolsRan, TurnGenerated, call_key
 from rollout.engine import Sampling, TokenOutput
 from rollout.gate import LocalTurns, TurnGate
 from rollout.loop_watch import ToolActivity, ToolBlockedLoop
@@ -96,6 +97,9 @@ class AgentContext:
     segments: list[Trajectory] = field(default_factory=list)
     continuity_divergence: str | None = None  # set by the debug continuity check
     activity: ToolActivity = field(default_factory=lambda: ToolActivity())  # the worker's
+    # The trajectory's turn journal, and its replay when it continues after a restart
+    # (rollout.durable): generate and run_tools take the journal's records while they last.
+    durable: DurableTrajectory | None = None
     _num_requests: int = field(default=0)
 
     @property
@@ -122,6 +126,8 @@ class AgentContext:
     def start(self, prompt_ids: Sequence[int]) -> TrajectoryRecorder:
         if self.recorder is not None:
             raise RuntimeError("ctx.start() was already called for this trajectory")
+        if self.durable is not None:
+            self.durable.begin(self.task.id, self.group_id, self.index, prompt_ids)
         self.recorder = TrajectoryRecorder(self.task.id, self.group_id, self.index, prompt_ids,
                                            self.settings.budgets)
         return self.recorder
@@ -138,11 +144,20 @@ class AgentContext:
         sampling = Sampling(max_new_tokens=min(room, max_new_tokens or room),
                             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             stop_token_ids=self.stop_token_ids)
+        num_context_ids = len(rec.context_ids)
+        if self.durable is not None and (done := self.durable.take_generation(num_context_ids)) is not None:
+            rec.add_generation(done.output, done.queue_s, done.generate_s, done.engine, done.started_at)
+            return done.output  # as generated before the restart, versions and all
         started_at = time.time()
         self._num_requests += 1
         turn = await LocalTurns(self.router, self.gate).generate_turn(
             self.session_id, f"{self.session_id}#{self._num_requests}", rec.context_ids, sampling)
         rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
+        if self.durable is not None:
+            o = turn.output
+            self.durable.record_generation(TurnGenerated(
+                num_context_ids, o.token_ids, o.logprobs, o.versions, o.finish_reason, o.num_prompt_tokens,
+                o.cached_prompt_tokens, o.cache_salted, turn.queue_s, turn.generate_s, turn.engine, started_at))
         return turn.output
 
     def text_of(self, out: TokenOutput) -> str:
@@ -184,6 +199,19 @@ class AgentContext:
 
     async def run_tools(self, parsed: ParsedTurn) -> ToolOutcome:
         """Run the turn's valid calls concurrently; every failure becomes an observation."""
+        calls = tuple(call_key(c.name, c.arguments) for c in parsed.calls)
+        if self.durable is not None and (ran := self.durable.take_tools(calls)) is not None:
+            return ToolOutcome(ran.messages, ran.num_calls, ran.num_errors, ran.num_timeouts, ran.ends_trajectory,
+                               ran.seconds, ran.tools, ran.failed_tools)
+        outcome = await self._run_tools(parsed)
+        if self.durable is not None:
+            o = outcome
+            self.durable.record_tools(ToolsRan(calls, tuple(m.content for m in o.messages),
+                                               tuple(m.name for m in o.messages), o.num_calls, o.num_errors,
+                                               o.num_timeouts, o.ends_trajectory, o.seconds, o.tools, o.failed_tools))
+        return outcome
+
+    async def _run_tools(self, parsed: ParsedTurn) -> ToolOutcome:
         start = time.monotonic()
         results = await asyncio.gather(*(self._run_one(c) for c in parsed.calls))
         messages = [m for m, _, _ in results]
@@ -244,6 +272,8 @@ class AgentLoop(Protocol):
 class SingleTurnLoop:
     """One generation from the task's messages; no tools."""
 
+    durable = True  # continued after a restart by replaying its journal (rollout.durable)
+
     async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
         rec = ctx.start(ctx.chat.initial_prompt_ids(task.messages, None))
         if (stop := rec.generation_stop()) is not None:
@@ -265,8 +295,12 @@ class ToolAgentLoop:
     the model ran out of budget mid-answer (or never emitted its stop token).
 
     Subclasses may override `run_tools` (e.g. to add an environment's own latency or
-    bookkeeping around the tools); everything else about a turn stays as here.
+    bookkeeping around the tools); everything else about a turn stays as here. A subclass
+    that runs tools other than through ctx.run_tools should set `durable = False`: a
+    restart would otherwise run those tools again on replay (rollout.durable).
     """
+
+    durable = True  # continued after a restart by replaying its journal (rollout.durable)
 
     async def run_tools(self, parsed: ParsedTurn, ctx: AgentContext) -> ToolOutcome:
         """One turn's tool calls -> their observations (ctx.run_tools by default)."""

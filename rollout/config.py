@@ -66,6 +66,11 @@ class RolloutConfig:
                                      "loaded one (its prefix cache is lost).")
     request_timeout_s: float = knob(600.0, "An engine that does not answer one generate call "
                                     "within this is treated as dead.")
+    durable_trajectories: bool = knob(True, "Journal every in-flight trajectory of a durable loop "
+                                      "turn by turn on its worker's node (<run dir>/inflight), so "
+                                      "that a stopped or killed run, resumed, continues them from "
+                                      "their last turn instead of generating them again "
+                                      "(docs/resume_export.md).")
 
 
 @dataclass(frozen=True, slots=True)

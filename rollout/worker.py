@@ -19,6 +19,11 @@ wall-clock limit ends it with `timeout`; both keep what the trajectory produced 
 A sample its group's deadline cuts (rollout.deadline) ends with `deadline`, unscored.
 A failing reward function fails its trajectory only (reward.loop). The worker itself
 never fails because of a trajectory. A thin Ray actor hosts it.
+
+With `durable_dir`, every trajectory of a durable loop (rollout.durable) is journaled turn
+by turn in that folder on this node; a sample whose journal is there when it starts (the
+run was stopped or killed and resumed with the same group ids) continues from its last
+turn boundary. A group's journals are removed when the group is returned.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from envs.tools.base import ToolClass
@@ -41,6 +46,9 @@ from rollout.agent_loop import AgentContext, LoopSettings, execute_tool, load_ag
 from rollout.loop_watch import LoopWatchdog, ToolActivity
 from rollout.chat import ContinuityBuilder
 from rollout.deadline import DeadlineCut, absorb_cut, gather_by_deadline
+from rollout.journal_file import remove_file
+from rollout.durable import (DurableSetup, DurableStats, DurableTrajectory, ReplayDiverged, journal_file,
+                             open_replay, remove_group)
 from rollout.gate import TurnGate
 from rollout.recorder import BudgetExhausted
 from rollout.gateway.server import GatewayStats, sum_gateway_stats
@@ -69,12 +77,14 @@ class WorkerStats:
     num_segments: int = 0  # trajectories returned over all finished samples (> num_finished
     # when a loop split samples into segments)
     gateway: GatewayStats | None = None  # this worker's gateway, if a loop serves one
+    durable: DurableStats | None = None  # with durable_dir: the trajectory journals
 
 
 class AgentLoopWorker:
     def __init__(self, *, default_loop: str, settings: LoopSettings, chat: ContinuityBuilder,
                  tokenizer: Any, router: Router, envs: EnvBuilder, rewards: RewardLoop,
-                 trajectory_timeout_s: float, gate: TurnGate | None = None) -> None:
+                 trajectory_timeout_s: float, gate: TurnGate | None = None,
+                 durable: DurableSetup | None = None) -> None:
         self.settings = settings
         self.chat = chat
         self.tokenizer = tokenizer
@@ -93,6 +103,8 @@ class AgentLoopWorker:
         self._num_segments = 0
         self.activity = ToolActivity()
         self.watchdog = LoopWatchdog(self.activity, execute_tool.__code__, settings.tool_timeout_s)
+        self.durable = durable  # None: no journals (rollout.durable)
+        self._durable = DurableStats()
 
     def loop_for(self, task: Task) -> Any:
         """The task's own loop class if it names one, else the recipe's; resolved once."""
@@ -116,6 +128,8 @@ class AgentLoopWorker:
         cut = DeadlineCut()
         samples = await gather_by_deadline(
             [self.run_sample(task, group_id, i, cut) for i in range(group_size)], deadline_s, cut)
+        if self.durable is not None:  # returned: a restart no longer needs its journals
+            remove_group(self.durable.folder, group_id)
         return Group(task.id, group_id, tuple(t for segments in samples for t in segments))
 
     async def run_trajectory(self, task: Task, group_id: str, index: int) -> Trajectory:
@@ -131,7 +145,9 @@ class AgentLoopWorker:
         env = self.envs.build(task)
         ctx = AgentContext(task=task, group_id=group_id, index=index, settings=self.settings,
                            chat=self.chat, tokenizer=self.tokenizer, env=env,
-                           router=self.router, gate=self.gate, activity=self.activity)
+                           router=self.router, gate=self.gate, activity=self.activity,
+                           durable=self._durable_for(task, group_id, index, env.sandbox is not None))
+        diverged, journal = False, None
         self._num_running += 1
         try:
             try:
@@ -143,6 +159,11 @@ class AgentLoopWorker:
                 _check_result(trajectory, ctx)
             except BudgetExhausted as exc:  # the loop asked for a turn the budgets have no room for
                 trajectory = self._salvage(ctx, exc.reason, str(exc))
+            except ReplayDiverged as exc:  # started over below, once the environment is released
+                log.warning("trajectory %s does not replay its journal (%s): starting it over", ctx.session_id, exc)
+                diverged, journal = True, ctx.durable
+                ctx.durable = None  # the salvage below must not replay again
+                trajectory = self._salvage(ctx, TerminationReason.ERROR, str(exc))  # never returned
             except TimeoutError:
                 trajectory = self._salvage(ctx, TerminationReason.TIMEOUT,
                                            f"exceeded agent.trajectory_timeout_s={self.trajectory_timeout_s:g}")
@@ -156,6 +177,13 @@ class AgentLoopWorker:
                 # Shielded: a cancellation (a deadline cut, a stop) arriving here still
                 # lets the sandbox go back to its pool.
                 workspace = await asyncio.shield(self._release(env))
+                self._count_journal(ctx.durable)
+            if diverged:
+                self._durable = replace(self._durable, num_restarted=self._durable.num_restarted + 1)
+                self._count_journal(journal)
+                assert journal is not None
+                remove_file(journal.path)  # the next try journals afresh, and never replays
+                return await self.run_sample(task, group_id, index, cut)
             trajectory = await self.rewards.score(trajectory, task, workspace)
         except asyncio.CancelledError:
             if not absorb_cut(cut):
@@ -170,6 +198,30 @@ class AgentLoopWorker:
         self._num_tool_errors += sum(u.num_tool_errors for t in segments for u in t.turns)
         self._num_divergences += ctx.continuity_divergence is not None
         return segments
+
+    def _durable_for(self, task: Task, group_id: str, index: int, has_sandbox: bool) -> DurableTrajectory | None:
+        """The sample's journal (continuing from it when one is there), or None when the
+        worker keeps none or the loop is not durable."""
+        loop, setup = self.loop_for(task), self.durable
+        if setup is None or not getattr(loop, "durable", False):
+            return None
+        name = f"{type(loop).__module__}:{type(loop).__qualname__}"
+        path = journal_file(setup.folder, group_id, index)
+        found = open_replay(path, setup.run_id, task.id, group_id, index, name, setup.resumed_version)
+        if found.reason:
+            log.info("trajectory %s/%d starts over: its journal %s", group_id, index, found.reason)
+            self._durable = replace(self._durable, num_restarted=self._durable.num_restarted + 1)
+        elif found.replay is not None:
+            self._durable = replace(self._durable, num_continued=self._durable.num_continued + 1)
+        return DurableTrajectory(path, setup.run_id, name, has_sandbox, found.replay)
+
+    def _count_journal(self, durable: DurableTrajectory | None) -> None:
+        if durable is not None:
+            d = self._durable
+            self._durable = replace(d, num_turns_replayed=d.num_turns_replayed + durable.turns_replayed,
+                                    num_journal_bytes=d.num_journal_bytes + durable.num_bytes,
+                                    journal_write_s=d.journal_write_s + durable.write_s,
+                                    num_records=d.num_records + durable.num_records)
 
     def _salvage(self, ctx: AgentContext, reason: TerminationReason, detail: str) -> Trajectory:
         """The partial trajectory of a failed loop (or a prompt-only one if it never started)."""
@@ -197,7 +249,8 @@ class AgentLoopWorker:
                            dict(self._end_reasons), self._num_tool_errors, self._num_divergences,
                            self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s,
                            self.watchdog.num_stalls, self._num_segments,
-                           sum_gateway_stats(gateways) if gateways else None)
+                           sum_gateway_stats(gateways) if gateways else None,
+                           self._durable if self.durable is not None else None)
 
 
 def join_segments(earlier: Sequence[Trajectory], last: Trajectory, ctx: AgentContext) -> list[Trajectory]:
@@ -229,7 +282,8 @@ def _check_result(trajectory: object, ctx: AgentContext) -> None:
 def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[str, Any], *,
                        sandbox_provider: "SandboxProvider | None" = None,
                        judge: "JudgeClient | None" = None,
-                       tool_classes: Mapping[str, ToolClass] | None = None) -> AgentLoopWorker:
+                       tool_classes: Mapping[str, ToolClass] | None = None,
+                       durable: DurableSetup | None = None) -> AgentLoopWorker:
     """An AgentLoopWorker for the recipe: tokenizer and continuity builder of the policy, a
     sticky router over `engines`, the built-in tools plus `envs.tools` (unless
     `tool_classes` replaces them), sandboxes from `sandbox_provider`, and a reward loop
@@ -255,4 +309,5 @@ def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[s
                     max_imbalance=cfg.rollout.max_engine_imbalance)
     return AgentLoopWorker(default_loop=cfg.agent.loop, settings=LoopSettings.from_config(cfg),
                            chat=chat, tokenizer=tokenizer, router=router, envs=envs,
-                           rewards=rewards, trajectory_timeout_s=cfg.agent.trajectory_timeout_s)
+                           rewards=rewards, trajectory_timeout_s=cfg.agent.trajectory_timeout_s,
+                           durable=durable if cfg.rollout.durable_trajectories else None)

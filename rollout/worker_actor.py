@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from envs.types import Group, Task
+from rollout.durable import DurableSetup
 from rollout.engine import EngineStats
 from rollout.router import Router
 from rollout.worker import WorkerStats, build_agent_worker
@@ -30,7 +31,7 @@ class AgentWorkerActor:
     def __init__(self, cfg: Any, model_path: str, engine_handles: dict[str, Any],
                  sandbox_handles: dict[str, Any] | None = None,
                  judge_handles: dict[str, Any] | None = None,
-                 judge_model_path: str | None = None) -> None:
+                 judge_model_path: str | None = None, durable: DurableSetup | None = None) -> None:
         from rollout.engine import quiet_vllm_cpu_notice
         from rollout.engine_actor import RayEngineClient
 
@@ -48,7 +49,7 @@ class AgentWorkerActor:
             judge = build_judge_client(cfg, judge_model_path or "",
                                        {n: RayEngineClient(h) for n, h in judge_handles.items()})
         self.worker = build_agent_worker(cfg, model_path, engines, sandbox_provider=provider,
-                                         judge=judge)
+                                         judge=judge, durable=durable)
         self.node_id = ray.get_runtime_context().get_node_id()
 
     async def run_group(self, task: Task, group_id: str, group_size: int,
@@ -114,7 +115,8 @@ class RayRollout:
 def start_agent_workers(cfg: Any, model_path: str, engine_handles: dict[str, Any],
                         sandbox_handles: Mapping[str, Any], placement_group: Any | None,
                         judge_handles: dict[str, Any] | None = None,
-                        judge_model_path: str | None = None) -> list[Any]:
+                        judge_model_path: str | None = None,
+                        durable: DurableSetup | None = None) -> list[Any]:
     """`rollout.num_agent_workers` actors; worker j lives in bundle j % S of the sandbox
     pool (S sandbox workers, one per bundle) and uses only that bundle's sandbox pool, so
     its sandboxes, their final workspaces and its grading stay on one node."""
@@ -131,5 +133,5 @@ def start_agent_workers(cfg: Any, model_path: str, engine_handles: dict[str, Any
                 placement_group=placement_group, placement_group_bundle_index=j % len(pools)))
         # @ray.remote made the class an ActorClass; type checkers do not apply class decorators.
         workers.append(AgentWorkerActor.options(**options).remote(  # pyrefly: ignore[missing-attribute]
-            cfg, model_path, engine_handles, {name: handle}, judge_handles, judge_model_path))
+            cfg, model_path, engine_handles, {name: handle}, judge_handles, judge_model_path, durable))
     return workers

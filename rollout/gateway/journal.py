@@ -8,16 +8,13 @@ the worker rebuilds the segments the engine generated, exactly, from the file.
                       CallCompleted (ids, logprobs, versions, finish reason, timings, parse)
     worker, after the process died:  read_journal -> rebuild_session -> segments
 
-A record is a typed dataclass, stored as the `marshal` of its kind and field values
-(arrays as raw bytes: 4-8 µs to encode, where pickling the dataclass and its arrays took
-~50; marshal cannot run code on load, and the writer and the reader are the same
-interpreter), framed as magic, length and CRC-32 of the payload, and written with one
-write(2) on an O_APPEND descriptor. No fsync: the journal only has to outlive the gateway
-process, never the node (a crashed node takes the worker, its reader, with it), and what
-write(2) took is in the page cache whatever happens to the writer afterwards. A process
-killed mid-write leaves a short or corrupt last record: the reader stops there and reports
-it torn. A CallDispatched that nothing settled (no CallCompleted or CallFailed after it) is
-a generation in flight when the process died: the engine's answer never reached the
+Records are typed dataclasses in rollout.journal_file's framing (CRC-checked marshal
+frames, one write(2) each, no fsync: the journal only has to outlive the gateway process,
+never the node; a crashed node takes the worker, its reader, with it). A process killed
+mid-write leaves a torn last record, which the reader ignores.
+
+A CallDispatched that nothing settled (no CallCompleted or CallFailed after it) is a
+generation in flight when the process died: the engine's answer never reached the
 segment, so the session cannot say what the model's last turn was, and the sample ends
 `error` (rebuild_session), which `buffer.failure_policy` masks, drops or resubmits like any
 failed sample: a half-recorded turn is never trained.
@@ -25,33 +22,24 @@ failed sample: a half-recorded turn is never trained.
 Only gateway processes (rollout.gateway.procs) journal. The in-process gateway
 (num_gateway_processes=0) skips it (Gateway(journal_dir=None)): its sessions live in the
 worker's own memory, so whatever kills them kills the worker, the only reader a journal
-would have; the run's resume re-admits the groups that were running. Files are opened per
-record rather than held (a process with 1000 sessions would hold 1000 more descriptors
-beside the harnesses' sockets), and one session's file is removed when the session closes:
-the journals on disk are those of the open sessions, each about the size of the ids its
-segments hold.
+would have; the run's resume re-admits the groups that were running. One session's file is
+removed when the session closes: the journals on disk are those of the open sessions, each
+about the size of the ids its segments hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import marshal
 import os
-import struct
-import zlib
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
 from envs.types import TerminationReason, Trajectory, Turn
 from rollout.engine import FinishReason, TokenOutput
+from rollout.journal_file import JournalCodec, JournalRead, append_frame, remove_file
 from rollout.recorder import Budgets, TrajectoryRecorder
 
-# A record: magic, payload length, CRC-32 of the payload; then the payload. The
-# magic fails on a zero-filled tail, which length 0 and CRC 0 of an empty payload would pass.
-_MAGIC = 0x534A  # "SJ"
-_HEADER = struct.Struct("<HII")
 # The ending of a segment the harness left by rewriting its history (the live gateway and
 # the rebuild finish it the same way).
 REWRITE_DETAIL = "the harness rewrote its history"
@@ -129,37 +117,14 @@ class CallFailed:
 
 
 JournalRecord = SessionOpened | SegmentStarted | ObservationAdded | CallDispatched | CallCompleted | CallFailed
-_KINDS: tuple[type[JournalRecord], ...] = (SessionOpened, SegmentStarted, ObservationAdded, CallDispatched,
-                                           CallCompleted, CallFailed)
-# The array fields and their dtypes (what the recorder and Trajectory hold).
-_DTYPES = {"prompt_ids": np.int32, "ids": np.int32, "token_ids": np.int32, "logprobs": np.float32,
-           "versions": np.int32}
-# Per record type: its kind number, and each field's name with its dtype (None: not an array).
-_LAYOUT = {cls: (kind, tuple((f.name, _DTYPES.get(f.name)) for f in fields(cls))) for kind, cls in enumerate(_KINDS)}
+CODEC: JournalCodec[JournalRecord] = JournalCodec(
+    (SessionOpened, SegmentStarted, ObservationAdded, CallDispatched, CallCompleted, CallFailed),
+    {"prompt_ids": np.int32, "ids": np.int32, "token_ids": np.int32, "logprobs": np.float32, "versions": np.int32})
 
 
-def encode_record(record: JournalRecord) -> bytes:
-    """One self-delimiting frame: the marshal of the kind and the field values, arrays as
-    raw bytes, numpy scalars as Python's (marshal takes neither)."""
-    kind, layout = _LAYOUT[type(record)]
-    row: list[int | float | str | bytes | None] = [kind]
-    for name, dtype in layout:
-        value = getattr(record, name)
-        if dtype is not None:
-            value = np.asarray(value, dtype).tobytes()
-        elif isinstance(value, np.generic):
-            value = value.item()
-        row.append(value)
-    payload = marshal.dumps(tuple(row))
-    return _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload
-
-
-def decode_record(payload: bytes) -> JournalRecord:
-    kind, *values = marshal.loads(payload)
-    cls = _KINDS[kind]
-    _, layout = _LAYOUT[cls]
-    return cls(*(v if dtype is None else np.frombuffer(v, dtype).copy()
-                 for (_, dtype), v in zip(layout, values, strict=True)))
+def read_journal(path: str) -> JournalRead[JournalRecord]:
+    """Every whole record of a session's file, in order (none if it does not exist)."""
+    return CODEC.read(path)
 
 
 class SessionJournal:
@@ -172,16 +137,8 @@ class SessionJournal:
         self.segment = -1  # the open segment's number
 
     def append(self, record: JournalRecord) -> None:
-        if self.path is None:
-            return
-        data = encode_record(record)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            view = memoryview(data)
-            while view:  # a regular file takes it whole; a short write is resumed, not lost
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        if self.path is not None:
+            append_frame(self.path, CODEC.encode(record))
 
     def opened(self, task_id: str, group_id: str, index: int) -> None:
         self.append(SessionOpened(task_id, group_id, index))
@@ -217,11 +174,7 @@ def journal_path(folder: str, session_id: str) -> str:
     return os.path.join(folder, f"{session_id}.journal")
 
 
-def remove_journal(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
+remove_journal = remove_file
 
 
 class JournalError(ValueError):
@@ -236,43 +189,13 @@ def _check(ok: bool, what: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class JournalRead:
-    records: tuple[JournalRecord, ...]
-    torn: bool  # the last record was cut short or corrupt (the writer died mid-write): ignored
-
-
-def read_journal(path: str) -> JournalRead:
-    """Every whole record of the file, in order (none if it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return JournalRead((), False)
-    records = list(_frames(data))
-    torn = sum(_HEADER.size + n for n, _ in records) != len(data)
-    return JournalRead(tuple(decode_record(payload) for _, payload in records), torn)
-
-
-def _frames(data: bytes) -> Iterator[tuple[int, bytes]]:
-    """(length, payload) of each whole frame, up to the first that is not."""
-    at = 0
-    while at + _HEADER.size <= len(data):
-        magic, size, crc = _HEADER.unpack_from(data, at)
-        payload = data[at + _HEADER.size:at + _HEADER.size + size]
-        if magic != _MAGIC or len(payload) != size or zlib.crc32(payload) != crc:
-            return
-        yield size, payload
-        at += _HEADER.size + size
-
-
-@dataclass(frozen=True, slots=True)
 class RecoveredSession:
     segments: tuple[Trajectory, ...]  # as the live gateway's close_session would have returned them
     masked: bool  # a generation was dispatched and never completed: the sample ends `error`
     torn: bool
 
 
-def rebuild_session(read: JournalRead, budgets: Budgets, reason: TerminationReason, detail: str,
+def rebuild_session(read: JournalRead[JournalRecord], budgets: Budgets, reason: TerminationReason, detail: str,
                     lost: str) -> RecoveredSession:
     """The session's segments replayed into recorders, as Gateway.close_session(reason,
     detail) would have returned them. `lost` says what happened to the process; with a

@@ -158,7 +158,7 @@ def make(fake: FakeRollout | None = None, *, steps: int = 4, eta: int = 1, B: in
                                                            if eval_tasks else {})}, **extra})
     trainer = FakeTrainer(rollout, train_s)
     ctl = Controller(cfg, tasks=TASKS, rollout=rollout, trainer=trainer,
-                     logger=MetricsLogger([]), eval_tasks=eval_tasks)
+                     logger=MetricsLogger([]), eval_tasks=eval_tasks, run_id="run-1")
     rollout.controller = ctl
     return ctl, rollout, trainer
 
@@ -264,10 +264,14 @@ async def test_resume_continues_versions_counters_and_group_ids_without_extra_ad
     assert second.steps == 6 and trainer2.pushes == [4, 5, 6]
     assert again.peak_alive <= 4  # the bound is the same after the resume
     assert second.trained == 12 and second.admitted >= first.admitted
-    ids = [g for _, g in rollout.calls] + [g for _, g in again.calls]
-    resumed_in_flight = {t.id for t in state.in_flight_tasks}
-    assert len(set(ids)) == len(ids)  # no group id reused across the resume
-    assert {t for t, _ in again.calls[:len(resumed_in_flight)]} == resumed_in_flight
+    # The groups in flight at the checkpoint come first, under their own ids (their workers
+    # find their trajectories' journals: rollout.durable); no other id is reused.
+    resumed = [(t.id, g) for t, g in zip(state.in_flight_tasks, state.in_flight_groups, strict=True)]
+    assert resumed and again.calls[:len(resumed)] == resumed
+    assert {g for _, g in resumed} <= {g for _, g in rollout.calls}
+    later = [g for _, g in again.calls[len(resumed):]]
+    assert len(set(later)) == len(later) and not set(later) & {g for _, g in rollout.calls}
+    assert state.run_id == "run-1" and ctl2.state().run_id == "run-1"
 
 
 async def test_stop_while_the_trainer_waits_ends_the_run_at_once_and_cancels_groups():

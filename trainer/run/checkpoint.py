@@ -123,14 +123,20 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path if (path / "run_state.pkl").is_file() else None
 
 
-def load_checkpoint(path: str | Path, backend: Checkpointable) -> RunState:
-    """Load backend and run state from a checkpoint folder; restores the RNG states."""
+def read_run_state(path: str | Path) -> RunState:
+    """The run state of a checkpoint folder alone (no backend, no RNG restored)."""
     path = Path(path)
     if not (path / "run_state.pkl").is_file():
         raise ValueError(f"{path} is not a complete sluice checkpoint (no run_state.pkl); "
                          f"set checkpoint.resume_from to a step-* folder or 'latest'")
-    backend.load_state(path / "backend")
     with (path / "run_state.pkl").open("rb") as f:
         state: RunState = pickle.load(f)
+    return state
+
+
+def load_checkpoint(path: str | Path, backend: Checkpointable) -> RunState:
+    """Load backend and run state from a checkpoint folder; restores the RNG states."""
+    state = read_run_state(path)
+    backend.load_state(Path(path) / "backend")
     restore_rng(state.rng)
     return state

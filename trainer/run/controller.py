@@ -77,6 +77,10 @@ class ControllerState:
     next_group: int  # group ids continue, so no id is reused across resumes
     end_reasons: dict[str, int] = field(default_factory=dict)
     eval_rewards: dict[int, float] = field(default_factory=dict)
+    # The group id of each in-flight task: re-admitted under it, so its workers find the
+    # journals of its trajectories (rollout.durable) and continue them.
+    in_flight_groups: tuple[str, ...] = ()
+    run_id: str = ""  # the run's identity across resumes (journals of another run are never replayed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +103,7 @@ class Controller:
                  transcripts: TranscriptSink | None = None, events: EventSink | None = None,
                  eval_tasks: Sequence[Task] = (), env_metrics: EnvMetrics | None = None,
                  wall_clock: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, run_id: str = "") -> None:
         if not tasks:
             raise ValueError("no tasks to train on; check envs.tasks")
         self.cfg = cfg
@@ -132,7 +136,9 @@ class Controller:
                                       // cfg.train.group_size)
         self.version = 0
         self.cursor = 0
-        self._pending: list[Task] = []  # in flight at the checkpoint: admitted first
+        self.run_id = run_id
+        # In flight at the checkpoint, with their group ids: admitted first.
+        self._pending: list[tuple[Task, str]] = []
         self._task_stream = self._iter_tasks()
         self._in_flight: dict[str, Task] = {}  # group id -> task, for checkpoints
         self._running: set[asyncio.Task] = set()
@@ -149,44 +155,51 @@ class Controller:
 
     # --- checkpointed state ------------------------------------------------------------
     def state(self) -> ControllerState:
-        return ControllerState(self.version, self.cursor,
-                               tuple(self._pending) + tuple(self._in_flight.values()),
+        in_flight = [*self._pending, *((task, gid) for gid, task in self._in_flight.items())]
+        return ControllerState(self.version, self.cursor, tuple(t for t, _ in in_flight),
                                self.buffer.state(), self._peek_group_id(),
-                               dict(self._end_reasons), dict(self.eval_rewards))
+                               dict(self._end_reasons), dict(self.eval_rewards),
+                               tuple(g for _, g in in_flight), self.run_id)
 
     def restore(self, state: ControllerState) -> None:
         """Continue where `state` was taken; call before run()."""
         self.version, self.cursor = state.version, state.data_cursor
-        self._pending = list(state.in_flight_tasks)
+        # A checkpoint of before group ids were kept: fresh ids (their journals are not found).
+        groups = state.in_flight_groups or ("",) * len(state.in_flight_tasks)
+        self._pending = list(zip(state.in_flight_tasks, groups, strict=True))
         self.buffer.restore(state.buffer)
         self._group_ids = itertools.count(state.next_group)
         self._end_reasons.update(state.end_reasons)
         self.eval_rewards.update(state.eval_rewards)
+        self.run_id = state.run_id or self.run_id
 
     def _peek_group_id(self) -> int:
         n = next(self._group_ids)
         self._group_ids = itertools.count(n)
         return n
 
-    def _iter_tasks(self) -> Iterator[Task]:
-        """Tasks in a seeded order that is a function of the cursor (resume-safe), after
-        the tasks that were in flight when the run was checkpointed."""
+    def _iter_tasks(self) -> Iterator[tuple[Task, str]]:
+        """(task, group id) in a seeded order that is a function of the cursor and the group
+        counter (resume-safe: a resumed run admits the groups the killed one had admitted
+        after its checkpoint under the same ids), after the tasks that were in flight when
+        the run was checkpointed, under their own ids."""
         while True:
             if self._pending:
-                yield self._pending.pop(0)
+                task, group_id = self._pending.pop(0)
+                yield task, group_id or f"g{next(self._group_ids)}"
                 continue
             epoch, index = divmod(self.cursor, len(self.tasks))
             order = np.random.default_rng(self.cfg.train.seed + epoch).permutation(len(self.tasks))
             self.cursor += 1
-            yield self.tasks[int(order[index])]
+            yield self.tasks[int(order[index])], f"g{next(self._group_ids)}"
 
     # --- admission loop ----------------------------------------------------------------
     async def _admission_loop(self) -> None:
         while not self._stopping:
             while (not self._stopping and self.buffer.num_running < self.max_running_groups
                    and self.buffer.try_admit()):
-                task = next(self._task_stream)
-                job = asyncio.create_task(self._run_group(task, f"g{next(self._group_ids)}"))
+                task, group_id = next(self._task_stream)
+                job = asyncio.create_task(self._run_group(task, group_id))
                 self._running.add(job)
                 job.add_done_callback(self._running.discard)
             self._capacity.clear()

@@ -22,6 +22,7 @@ import numpy as np
 
 from envs.progress import BuildRecord
 from envs.types import Group, TerminationReason, Trajectory
+from rollout.durable import sum_durable_stats
 from rollout.gateway.server import sum_gateway_stats
 from rollout.tool_parser import tool_parse_counts
 
@@ -304,6 +305,9 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
     gateways = [w.gateway for w in workers if w.gateway is not None]
     if gateways:  # totals over every worker's gateway (black-box harness sessions)
         out.update(sum_gateway_stats(gateways).as_metrics())
+    durable = [w.durable for w in workers if w.durable is not None]
+    if durable:  # trajectory journals (rollout.durable), totals over the workers
+        out.update(sum_durable_stats(durable).as_metrics())
     out.update({f"buffer/dropped_{k}": float(v) for k, v in buffer.dropped.items()})
     # Which groups go stale, by turns and by length: a bias against long trajectories
     # shows up here (cumulative counts).

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from envs.progress import recorded_builds
 from envs.types import Task
+from rollout.durable import DurableSetup
 from trainer.run.config import SluiceConfig
 from trainer.run.seams import RolloutSide, TrainerSide
 from trainer.run.controller import Controller, EnvMetrics, RunSummary
@@ -235,7 +236,8 @@ def task_images(cfg: SluiceConfig, tasks: Sequence[Task]) -> list[str]:
     return sorted({t.image for t in tasks if t.image is not None})
 
 
-async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] = ()) -> Parts:
+async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] = (),
+                      durable: DurableSetup | None = None) -> Parts:
     """Join the cluster, place the pools, then start the train ranks, the engines (and the
     judge) and the sandbox pools (every task image in `images` made present on each one's
     node first) side by side, and last the agent-loop workers that use them. If a part
@@ -269,7 +271,7 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
         raise next(r for r in (engines, judge, sandboxes) if isinstance(r, BaseException))
     judge_handles = engine_handles(judge.engines) if judge else None
     workers = start_agent_workers(cfg, model_path, engine_handles(engines),
-                                  sandboxes.handles, placed["sandbox"], judge_handles, judge_path)
+                                  sandboxes.handles, placed["sandbox"], judge_handles, judge_path, durable)
     router = Router(engines)
     # cpu (None): rank 0 sends the prepared bytes itself; nccl, gloo: the broadcast transport
     transport = build_transport(cfg, sender=group)
@@ -309,12 +311,13 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     # before any engine starts: a mismatch would corrupt every trajectory's ids.
     check_template(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
                    tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser)
+    durable = durable_setup(run_dir, place.resume_from)
     parts: Parts | None = None
     try:
         try:
             with phases.phase("start engines, sandbox pools, train ranks"):
                 parts = await start_parts(cfg, model_path,
-                                          task_images(cfg, [*tasks, *eval_tasks]))
+                                          task_images(cfg, [*tasks, *eval_tasks]), durable)
         except (ValueError, StartupError):  # their messages say what to change
             raise
         except Exception as exc:  # an engine, a pool or a worker that did not come up
@@ -330,7 +333,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
             logger=MetricsLogger([]), eval_tasks=eval_tasks, env_metrics=parts.env_metrics,
             events=events,
             transcripts=TranscriptSink(run_dir / "transcripts.jsonl", lambda ids: decode_text(tokenizer, ids),
-                                       cfg.logging.num_transcripts_per_step))
+                                       cfg.logging.num_transcripts_per_step), run_id=durable.run_id)
         if place.resume_from is not None:
             state = await asyncio.to_thread(load_checkpoint, place.resume_from, parts.trainer)
             controller.restore(state.controller)
@@ -368,11 +371,30 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
         if summary.stopped_early:
             print(f"\nstopped at step {summary.steps}; resume with:\n  python -m trainer.main "
                   f"{' '.join(_resume_argv(run_dir))}", file=sys.stderr)
+        else:  # done: nothing will continue the trajectories still journaled (cancelled ones)
+            shutil.rmtree(durable.folder, ignore_errors=True)
         return summary, run_dir
     finally:
         if parts is not None and signals.count < 2:  # a second Ctrl-C: shut down at once
             await asyncio.shield(parts.close())
         ray.shutdown()
+
+
+def durable_setup(run_dir: Path, resume_from: Path | None) -> DurableSetup:
+    """Where the workers journal their trajectories (rollout.durable), under which run id,
+    and up to which version a resume replays them: the checkpoint's, read before anything
+    starts (the workers are made with it). A fresh run starts with no journals."""
+    import uuid
+
+    from trainer.run.checkpoint import read_run_state
+
+    folder = run_dir / "inflight"
+    if resume_from is None:
+        shutil.rmtree(folder, ignore_errors=True)  # an earlier run of the same name
+        return DurableSetup(str(folder), uuid.uuid4().hex)
+    controller = read_run_state(resume_from).controller
+    # A checkpoint written before run ids were kept resumes as a new run: nothing to continue.
+    return DurableSetup(str(folder), controller.run_id or uuid.uuid4().hex, controller.version)
 
 
 def run_info(recipe: str) -> dict[str, Any]:

@@ -1,0 +1,300 @@
+"""Durable trajectories: each in-flight trajectory's turns are journaled on its worker's
+node as they happen, so that a restart (Ctrl-C, SIGKILL, a resume from a checkpoint)
+continues the trajectory from its last turn boundary instead of generating it again.
+
+    live:    ctx.start      -> TrajectoryBegun (run, task, group, index, loop, prompt ids)
+             ctx.generate   -> TurnGenerated   (the engine's ids, logprobs, versions, ...)
+             ctx.run_tools  -> ToolsRan        (the calls run and the observations they gave)
+    resume:  the same agent loop runs again on a TurnReplay of the journal: ctx.generate
+             and ctx.run_tools hand back what the journal holds, in order, without the
+             engine or the tools, until the journal is used up; from then on the trajectory
+             is live again (its next turn's prompt is prefilled under the current weights).
+
+Replayed tokens keep the versions they were sampled under, so the decoupled loss and the
+staleness bound treat them exactly (the buffer drops a group older than the bound, and
+counts it). A replay is only as good as the loop is deterministic given the same model
+outputs and observations: the built-in loops are, and declare it (`durable = True` on the
+class); a loop without that flag, or one whose replay asks for something else than the
+journal recorded (another prompt, other tool calls), starts the trajectory over
+(`ReplayDiverged`), which costs the work, never correctness. Tools that work in a sandbox
+change state the journal does not hold, so a trajectory whose environment has a sandbox
+starts over too (counted): continuing it needs the sandbox's state at the boundary.
+
+The journal is a rollout.journal_file record file, `<folder>/<group id>/<index>.journal`,
+removed with its group's folder when the group is returned; every record carries nothing
+but what the trajectory itself holds, so its size is that of the trajectory's ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from envs.types import Message
+from rollout.engine import FinishReason, TokenOutput
+from rollout.journal_file import JournalCodec, append_frame, remove_file, truncate_to
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DurableSetup:
+    """What the run tells its workers: where journals go on their node, the run they belong
+    to (kept across resumes), and the version it resumed at (0 for a fresh run)."""
+
+    folder: str
+    run_id: str
+    resumed_version: int = 0
+
+
+class ReplayDiverged(Exception):
+    """The loop, run again on the journal, asked for something the journal did not record:
+    the trajectory starts over."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryBegun:
+    run_id: str  # the run that wrote it: a journal of another run is never replayed
+    task_id: str
+    group_id: str
+    index: int
+    loop: str  # the agent loop's class, as module:qualname
+    prompt_ids: np.ndarray
+    has_sandbox: bool  # its tools work in a sandbox: state the journal does not hold
+
+
+@dataclass(frozen=True, slots=True)
+class TurnGenerated:
+    """One generation as the recorder took it: the engine's TokenOutput field by field."""
+
+    num_context_ids: int  # the context it was generated on (checked on replay)
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    cached_prompt_tokens: int
+    cache_salted: bool
+    queue_s: float
+    generate_s: float
+    engine: str
+    started_at: float
+
+    @property
+    def output(self) -> TokenOutput:
+        return TokenOutput(self.token_ids, self.logprobs, self.versions, self.finish_reason,
+                           self.num_prompt_tokens, self.cached_prompt_tokens, self.cache_salted)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolsRan:
+    """One ctx.run_tools: the calls it was given (checked on replay) and its ToolOutcome."""
+
+    calls: tuple[str, ...]  # each call's tool name and JSON arguments, in order
+    contents: tuple[str, ...]  # the observation messages (role "tool"), in order
+    names: tuple[str | None, ...]
+    num_calls: int
+    num_errors: int
+    num_timeouts: int
+    ends_trajectory: bool
+    seconds: float
+    tools: tuple[str, ...]
+    failed_tools: tuple[str, ...]
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        return tuple(Message("tool", c, name=n) for c, n in zip(self.contents, self.names, strict=True))
+
+
+TrajectoryRecord = TrajectoryBegun | TurnGenerated | ToolsRan
+CODEC: JournalCodec[TrajectoryRecord] = JournalCodec(
+    (TrajectoryBegun, TurnGenerated, ToolsRan),
+    {"prompt_ids": np.int32, "token_ids": np.int32, "logprobs": np.float32, "versions": np.int32})
+
+
+@dataclass(slots=True)
+class TurnReplay:
+    """What a journal recorded after its TrajectoryBegun, handed back in order."""
+
+    begun: TrajectoryBegun
+    records: list[TurnGenerated | ToolsRan]
+    at: int = 0
+    turns_replayed: int = field(default=0)
+
+    @property
+    def done(self) -> bool:
+        return self.at >= len(self.records)
+
+    def check_prompt(self, prompt_ids: Sequence[int] | np.ndarray) -> None:
+        if not np.array_equal(np.asarray(prompt_ids, np.int32), self.begun.prompt_ids):
+            raise ReplayDiverged("the loop rendered another prompt than the journal's")
+
+    def next_generation(self, num_context_ids: int) -> TurnGenerated | None:
+        """The recorded generation for this call, or None once the journal is used up."""
+        if self.done:
+            return None
+        record = self.records[self.at]
+        if not isinstance(record, TurnGenerated):
+            raise ReplayDiverged("the loop generated where the journal ran tools")
+        if record.num_context_ids != num_context_ids:
+            raise ReplayDiverged(f"the loop generated on {num_context_ids} context ids, the journal "
+                                 f"on {record.num_context_ids}")
+        self.at += 1
+        self.turns_replayed += 1
+        return record
+
+    def next_tools(self, calls: tuple[str, ...]) -> ToolsRan | None:
+        """The recorded outcome of these calls, or None once the journal is used up."""
+        if self.done:
+            return None
+        record = self.records[self.at]
+        if not isinstance(record, ToolsRan) or record.calls != calls:
+            raise ReplayDiverged("the loop ran other tool calls than the journal's")
+        self.at += 1
+        return record
+
+
+@dataclass(slots=True)
+class DurableTrajectory:
+    """One trajectory's journal and, when it continues after a restart, its replay: the
+    hooks AgentContext calls at each turn boundary."""
+
+    path: str
+    run_id: str
+    loop: str
+    has_sandbox: bool
+    replay: TurnReplay | None = None
+    num_bytes: int = 0  # written by this run of the trajectory (the replayed part is on disk already)
+    num_records: int = 0
+
+    write_s: float = 0.0  # spent encoding and writing records
+
+    def _append(self, record: TrajectoryRecord) -> None:
+        start = time.perf_counter()
+        frame = CODEC.encode(record)
+        append_frame(self.path, frame)
+        self.num_bytes += len(frame)
+        self.num_records += 1
+        self.write_s += time.perf_counter() - start
+
+    def begin(self, task_id: str, group_id: str, index: int, prompt_ids: Sequence[int] | np.ndarray) -> None:
+        if self.replay is not None:
+            self.replay.check_prompt(prompt_ids)
+            return
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._append(TrajectoryBegun(self.run_id, task_id, group_id, index, self.loop,
+                                     np.asarray(prompt_ids, np.int32), self.has_sandbox))
+
+    def take_generation(self, num_context_ids: int) -> TurnGenerated | None:
+        """The journal's generation for this call while the replay lasts, else None."""
+        return self.replay.next_generation(num_context_ids) if self.replay is not None else None
+
+    def record_generation(self, record: TurnGenerated) -> None:
+        self._append(record)
+
+    def take_tools(self, calls: tuple[str, ...]) -> ToolsRan | None:
+        return self.replay.next_tools(calls) if self.replay is not None else None
+
+    def record_tools(self, record: ToolsRan) -> None:
+        self._append(record)
+
+    @property
+    def turns_replayed(self) -> int:
+        return self.replay.turns_replayed if self.replay is not None else 0
+
+
+def journal_file(folder: str, group_id: str, index: int) -> str:
+    return os.path.join(folder, _safe(group_id), f"{index}.journal")
+
+
+def group_folder(folder: str, group_id: str) -> str:
+    return os.path.join(folder, _safe(group_id))
+
+
+def remove_group(folder: str, group_id: str) -> None:
+    """The group is returned: its trajectories need no journal any more."""
+    shutil.rmtree(group_folder(folder, group_id), ignore_errors=True)
+
+
+def _safe(group_id: str) -> str:
+    # Group ids are the controller's ("g12", "eval-v3-0"); a path separator would escape.
+    return group_id.replace(os.sep, "_")
+
+
+@dataclass(frozen=True, slots=True)
+class DurableStats:
+    """A worker's counters (cumulative; docs/metrics.md `durable/*`)."""
+
+    num_continued: int = 0  # trajectories continued from their journal after a restart
+    num_turns_replayed: int = 0  # generations taken from journals instead of the engine
+    num_restarted: int = 0  # journals found that could not be continued: started over
+    num_journal_bytes: int = 0  # written
+    journal_write_s: float = 0.0  # spent writing them (encode + write)
+    num_records: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"durable/continued": float(self.num_continued),
+                "durable/turns_replayed": float(self.num_turns_replayed),
+                "durable/restarted": float(self.num_restarted),
+                "durable/journal_bytes": float(self.num_journal_bytes),
+                "durable/journal_write_us_per_record": 1e6 * self.journal_write_s / max(self.num_records, 1)}
+
+
+def sum_durable_stats(stats: Sequence[DurableStats]) -> DurableStats:
+    return DurableStats(*(sum(getattr(s, f) for s in stats) for f in DurableStats.__dataclass_fields__))
+
+
+@dataclass(frozen=True, slots=True)
+class Resumable:
+    """What a journal on disk allows for one trajectory: a replay, or why it starts over."""
+
+    replay: TurnReplay | None
+    reason: str = ""  # why not, when replay is None and a journal was there
+
+
+def open_replay(path: str, run_id: str, task_id: str, group_id: str, index: int, loop: str,
+                max_version: int) -> Resumable:
+    """The replay of the journal at `path` for this trajectory; when there is none, or it
+    cannot be replayed (another run, task or loop, a sandbox), the file is removed so the
+    trajectory's fresh journal starts empty. The replay stops before the first generation
+    of a version over `max_version` (weights the restart no longer has: the run resumed
+    from an earlier checkpoint) and the file is cut there, a torn tail with it."""
+    read = CODEC.read(path)
+    if not read.records:
+        remove_file(path)
+        return Resumable(None)
+    begun, rest = read.records[0], read.records[1:]
+    why = ""
+    if not isinstance(begun, TrajectoryBegun) or any(isinstance(r, TrajectoryBegun) for r in rest):
+        why = "not a trajectory journal"
+    elif (begun.run_id, begun.task_id, begun.group_id, begun.index) != (run_id, task_id, group_id, index):
+        why = "written by another run or for another task"
+    elif begun.loop != loop:
+        why = f"written by another agent loop ({begun.loop})"
+    elif begun.has_sandbox:
+        why = "its tools work in a sandbox, whose state the journal does not hold"
+    if why:
+        remove_file(path)
+        return Resumable(None, why)
+    assert isinstance(begun, TrajectoryBegun)
+    keep = len(rest)
+    for k, r in enumerate(rest):
+        if isinstance(r, TurnGenerated) and len(r.versions) and int(r.versions.max()) > max_version:
+            keep = k
+            break
+    if keep < len(rest) or read.torn:
+        truncate_to(path, read.ends[keep])  # ends[0] is TrajectoryBegun's: keep records 0..keep
+    records = [r for r in rest[:keep] if isinstance(r, (TurnGenerated, ToolsRan))]
+    return Resumable(TurnReplay(begun, records))
+
+
+def call_key(name: str, arguments: object) -> str:
+    """A tool call as ToolsRan.calls holds it."""
+    return f"{name} {json.dumps(arguments, sort_keys=True, default=str)}"
