@@ -42,6 +42,8 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
@@ -103,6 +105,15 @@ class SandboxProvider(Protocol):
     async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
         """The sandbox's workspace now, as changes against its spec's source_dir; over
         `max_bytes` of changed files: a WorkspaceChanges with a problem and no files."""
+        ...
+
+    async def save_state(self, lease: SandboxLease, path: str) -> int:
+        """Snapshot the sandbox now and keep the snapshot at `path` (a file on the pool's
+        node, which outlives the pool: a durable trajectory's turn boundary); its bytes."""
+        ...
+
+    async def restore_state(self, lease: SandboxLease, path: str) -> None:
+        """Put the state `save_state` kept at `path` into the lease's sandbox."""
         ...
 
 
@@ -308,6 +319,22 @@ class LeasedSandbox:
     async def checkpoint(self) -> None:
         async with self._lock:
             await self._snapshot_locked()
+
+    async def save_state(self, path: str) -> int:
+        """A snapshot now, kept at `path` too (a hard link where it can be: no copy)."""
+        async with self._lock:
+            if self._dirty or self._snapshot is None:
+                await self._snapshot_locked()
+            snapshot = self._snapshot
+            assert snapshot is not None
+            await asyncio.to_thread(_keep_at, snapshot.tar_path, path)
+            return snapshot.num_bytes
+
+    async def restore_state(self, path: str) -> None:
+        async with self._lock:
+            await self._live().restore(Snapshot(path, os.path.getsize(path)))
+            self._dirty = True  # the pool's own snapshot is taken from the sandbox, never `path`
+        self._maybe_snapshot()
 
     async def workspace_changes(self, max_bytes: int) -> WorkspaceChanges:
         """The workspace now versus the spec's source_dir. A broken sandbox whose recreate
@@ -659,6 +686,12 @@ class SandboxPool:
         call it before `release`."""
         return await self._entry(lease).workspace_changes(max_bytes)
 
+    async def save_state(self, lease: SandboxLease, path: str) -> int:
+        return await self._entry(lease).save_state(path)
+
+    async def restore_state(self, lease: SandboxLease, path: str) -> None:
+        await self._entry(lease).restore_state(path)
+
     # ---- metrics ---------------------------------------------------------------------
 
     def stats(self) -> PoolStats:
@@ -705,3 +738,14 @@ def build_sandbox_pool(envs: EnvsConfig, factory: SandboxFactory | None = None,
                        max_sandboxes=envs.sandboxes_per_worker,
                        num_warm=envs.num_warm_sandboxes, warm_limits=build_sandbox_limits(envs),
                        name=name)
+
+
+def _keep_at(tar_path: str, path: str) -> None:
+    """`tar_path`'s content at `path` as well, replacing it atomically (a reader never sees
+    half a file): a hard link, or a copy across file systems."""
+    tmp = f"{path}.tmp"
+    try:
+        os.link(tar_path, tmp)
+    except OSError:
+        shutil.copyfile(tar_path, tmp)
+    os.replace(tmp, path)

@@ -67,6 +67,12 @@ class SandboxPoolActor:
     async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
         return await self.pool.workspace_changes(lease, max_bytes)
 
+    async def save_state(self, lease: SandboxLease, path: str) -> int:
+        return await self.pool.save_state(lease, path)
+
+    async def restore_state(self, lease: SandboxLease, path: str) -> None:
+        await self.pool.restore_state(lease, path)
+
     async def stats(self) -> PoolStats:
         return dataclasses.replace(self.pool.stats(), num_images_ready=self.images.num_ready,
                                    num_images_loaded=self.images.num_loaded,
@@ -110,6 +116,13 @@ class RaySandboxProvider:
 
     async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
         return await _call(self.handles[lease.pool].workspace_changes, lease, max_bytes)
+
+    async def save_state(self, lease: SandboxLease, path: str) -> int:
+        # The path is on the pool actor's node, which is the worker's (placed beside it).
+        return await _call(self.handles[lease.pool].save_state, lease, path)
+
+    async def restore_state(self, lease: SandboxLease, path: str) -> None:
+        await _call(self.handles[lease.pool].restore_state, lease, path)
 
     async def stats(self) -> list[PoolStats]:
         """Every pool actor's statistics (one entry per actor)."""

@@ -9,6 +9,8 @@ grading there, never into the Trajectory.
         .build(task) -> TrajectoryEnv
     env.open()                 opens the sandbox if any of the task's tools needs one
     env.tools                  name -> Tool, each built as cls(env)
+    env.save_state(path) / env.restore_state(path)   the sandbox's workspace kept on this
+                               node, and put back (a durable trajectory, rollout.durable)
     env.release() -> WorkspaceChanges | None   capture + return the sandbox, exactly once
 """
 
@@ -62,6 +64,16 @@ class TrajectoryEnv:
     @property
     def tool_schemas(self) -> list[Mapping[str, JsonValue]]:
         return [t.schema for t in self.tools.values()]
+
+    async def save_state(self, path: str) -> int:
+        """The sandbox's workspace now, kept at `path`; 0 without a sandbox (the tools'
+        effects then live in no state the environment holds)."""
+        return await self.sandbox.save_state(path) if self.sandbox is not None else 0
+
+    async def restore_state(self, path: str) -> None:
+        if self.sandbox is None:
+            raise ValueError("this trajectory's environment has no sandbox to restore")
+        await self.sandbox.restore_state(path)
 
     async def release(self) -> WorkspaceChanges | None:
         """Capture the final workspace and return the sandbox. Safe to call after a failed

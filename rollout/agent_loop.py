@@ -206,9 +206,9 @@ class AgentContext:
         outcome = await self._run_tools(parsed)
         if self.durable is not None:
             o = outcome
-            self.durable.record_tools(ToolsRan(calls, tuple(m.content for m in o.messages),
-                                               tuple(m.name for m in o.messages), o.num_calls, o.num_errors,
-                                               o.num_timeouts, o.ends_trajectory, o.seconds, o.tools, o.failed_tools))
+            await self.durable.record_tools(ToolsRan(
+                calls, tuple(m.content for m in o.messages), tuple(m.name for m in o.messages), o.num_calls,
+                o.num_errors, o.num_timeouts, o.ends_trajectory, o.seconds, o.tools, o.failed_tools), self.env)
         return outcome
 
     async def _run_tools(self, parsed: ParsedTurn) -> ToolOutcome:

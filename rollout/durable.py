@@ -16,9 +16,14 @@ counts it). A replay is only as good as the loop is deterministic given the same
 outputs and observations: the built-in loops are, and declare it (`durable = True` on the
 class); a loop without that flag, or one whose replay asks for something else than the
 journal recorded (another prompt, other tool calls), starts the trajectory over
-(`ReplayDiverged`), which costs the work, never correctness. Tools that work in a sandbox
-change state the journal does not hold, so a trajectory whose environment has a sandbox
-starts over too (counted): continuing it needs the sandbox's state at the boundary.
+(`ReplayDiverged`), which costs the work, never correctness.
+
+Tools that work in a sandbox change state the journal's records do not hold: after each
+live ctx.run_tools of such a trajectory the sandbox's workspace is saved beside the
+journal (the pool's snapshot, hard-linked out: `<index>.journal.stateN`, only the newest
+kept) and the record names it; a continued trajectory's new sandbox is restored to the
+last replayed record's state before its loop runs. Tools whose state could not be saved
+end the replay there: they run again, live, on the state before them.
 
 The journal is a rollout.journal_file record file, `<folder>/<group id>/<index>.journal`,
 removed with its group's folder when the group is returned; every record carries nothing
@@ -27,6 +32,7 @@ but what the trajectory itself holds, so its size is that of the trajectory's id
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +40,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -52,6 +59,14 @@ class DurableSetup:
     folder: str
     run_id: str
     resumed_version: int = 0
+
+
+class StatefulEnv(Protocol):
+    """What of a trajectory's environment (envs.trajectory_env.TrajectoryEnv) keeps its state."""
+
+    async def save_state(self, path: str) -> int: ...
+
+    async def restore_state(self, path: str) -> None: ...
 
 
 class ReplayDiverged(Exception):
@@ -107,6 +122,9 @@ class ToolsRan:
     seconds: float
     tools: tuple[str, ...]
     failed_tools: tuple[str, ...]
+    # The sandbox's workspace after these calls, a file beside the journal ("": the
+    # trajectory has no sandbox, or saving it failed: the replay stops before this record).
+    state: str = ""
 
     @property
     def messages(self) -> tuple[Message, ...]:
@@ -127,6 +145,7 @@ class TurnReplay:
     records: list[TurnGenerated | ToolsRan]
     at: int = 0
     turns_replayed: int = field(default=0)
+    state: str = ""  # the sandbox state after the last replayed tools: restored before the loop runs
 
     @property
     def done(self) -> bool:
@@ -173,6 +192,16 @@ class DurableTrajectory:
     replay: TurnReplay | None = None
     num_bytes: int = 0  # written by this run of the trajectory (the replayed part is on disk already)
     num_records: int = 0
+    num_states: int = 0  # sandbox states saved, replayed ones included (their files are numbered by it)
+    num_states_saved: int = 0  # by this run of the trajectory
+    state_bytes: int = 0
+    state_s: float = 0.0  # spent saving them
+    last_state: str = ""  # the newest state file the journal names
+
+    def __post_init__(self) -> None:
+        if self.replay is not None:  # states continue after the replayed ones
+            self.last_state = self.replay.state
+            self.num_states = sum(1 for r in self.replay.records if isinstance(r, ToolsRan) and r.state)
 
     write_s: float = 0.0  # spent encoding and writing records
 
@@ -202,8 +231,34 @@ class DurableTrajectory:
     def take_tools(self, calls: tuple[str, ...]) -> ToolsRan | None:
         return self.replay.next_tools(calls) if self.replay is not None else None
 
-    def record_tools(self, record: ToolsRan) -> None:
-        self._append(record)
+    async def record_tools(self, record: ToolsRan, env: "StatefulEnv") -> None:
+        """Journal the tools' outcome with the sandbox's state after them (kept beside the
+        journal; the one before it is deleted once the record is written)."""
+        state = ""
+        if self.has_sandbox:
+            self.num_states += 1
+            name = f"{os.path.basename(self.path)}.state{self.num_states}"
+            start = time.perf_counter()
+            try:
+                self.state_bytes += await env.save_state(os.path.join(os.path.dirname(self.path), name))
+                self.num_states_saved += 1
+                state = name
+            except Exception as exc:  # a sandbox that cannot be saved: a restart redoes this turn, no more
+                log.warning("saving the sandbox state of %s failed: %s", self.path, exc)
+            self.state_s += time.perf_counter() - start
+        self._append(dataclasses.replace(record, state=state))
+        if state and self.last_state:
+            remove_file(os.path.join(os.path.dirname(self.path), self.last_state))
+        self.last_state = state or self.last_state
+
+    async def restore(self, env: "StatefulEnv") -> None:
+        """Put the sandbox back as it was after the last replayed tools."""
+        if self.replay is None or not self.replay.state:
+            return
+        try:
+            await env.restore_state(os.path.join(os.path.dirname(self.path), self.replay.state))
+        except Exception as exc:  # any failure of any backend: the trajectory starts over instead
+            raise ReplayDiverged(f"its sandbox state could not be restored: {type(exc).__name__}: {exc}") from exc
 
     @property
     def turns_replayed(self) -> int:
@@ -238,13 +293,18 @@ class DurableStats:
     num_journal_bytes: int = 0  # written
     journal_write_s: float = 0.0  # spent writing them (encode + write)
     num_records: int = 0
+    num_states: int = 0  # sandbox states saved at turn boundaries
+    num_state_bytes: int = 0
+    state_save_s: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
         return {"durable/continued": float(self.num_continued),
                 "durable/turns_replayed": float(self.num_turns_replayed),
                 "durable/restarted": float(self.num_restarted),
                 "durable/journal_bytes": float(self.num_journal_bytes),
-                "durable/journal_write_us_per_record": 1e6 * self.journal_write_s / max(self.num_records, 1)}
+                "durable/journal_write_us_per_record": 1e6 * self.journal_write_s / max(self.num_records, 1),
+                "durable/state_bytes": float(self.num_state_bytes),
+                "durable/state_save_ms_per_turn": 1e3 * self.state_save_s / max(self.num_states, 1)}
 
 
 def sum_durable_stats(stats: Sequence[DurableStats]) -> DurableStats:
@@ -278,21 +338,25 @@ def open_replay(path: str, run_id: str, task_id: str, group_id: str, index: int,
         why = "written by another run or for another task"
     elif begun.loop != loop:
         why = f"written by another agent loop ({begun.loop})"
-    elif begun.has_sandbox:
-        why = "its tools work in a sandbox, whose state the journal does not hold"
     if why:
         remove_file(path)
         return Resumable(None, why)
     assert isinstance(begun, TrajectoryBegun)
-    keep = len(rest)
-    for k, r in enumerate(rest):
-        if isinstance(r, TurnGenerated) and len(r.versions) and int(r.versions.max()) > max_version:
-            keep = k
-            break
+    keep = next((k for k, r in enumerate(rest) if isinstance(r, TurnGenerated) and len(r.versions)
+                 and int(r.versions.max()) > max_version), len(rest))
+    state = ""
+    if begun.has_sandbox:  # continue from the newest tools whose sandbox state is on disk
+        folder = os.path.dirname(path)
+        tools = {k: r for k, r in enumerate(rest[:keep]) if isinstance(r, ToolsRan)}
+        saved = [k for k, r in tools.items() if r.state and os.path.isfile(os.path.join(folder, r.state))]
+        restore_at = saved[-1] if saved else -1
+        state = tools[restore_at].state if saved else ""
+        # Tools after it changed a state that is not there: they run again, live.
+        keep = next((k for k in tools if k > restore_at), keep)
     if keep < len(rest) or read.torn:
         truncate_to(path, read.ends[keep])  # ends[0] is TrajectoryBegun's: keep records 0..keep
     records = [r for r in rest[:keep] if isinstance(r, (TurnGenerated, ToolsRan))]
-    return Resumable(TurnReplay(begun, records))
+    return Resumable(TurnReplay(begun, records, state=state))
 
 
 def call_key(name: str, arguments: object) -> str:

@@ -153,6 +153,8 @@ class AgentLoopWorker:
             try:
                 start = time.monotonic()
                 await env.open()  # waits for a sandbox: not part of the trajectory's own budget
+                if ctx.durable is not None:  # a continued trajectory's sandbox, as its journal left it
+                    await ctx.durable.restore(env)
                 self._env_open_s += time.monotonic() - start
                 trajectory = await asyncio.wait_for(self.loop_for(task).run(task, ctx),
                                                     self.trajectory_timeout_s)
@@ -221,7 +223,10 @@ class AgentLoopWorker:
             self._durable = replace(d, num_turns_replayed=d.num_turns_replayed + durable.turns_replayed,
                                     num_journal_bytes=d.num_journal_bytes + durable.num_bytes,
                                     journal_write_s=d.journal_write_s + durable.write_s,
-                                    num_records=d.num_records + durable.num_records)
+                                    num_records=d.num_records + durable.num_records,
+                                    num_states=d.num_states + durable.num_states_saved,
+                                    num_state_bytes=d.num_state_bytes + durable.state_bytes,
+                                    state_save_s=d.state_save_s + durable.state_s)
 
     def _salvage(self, ctx: AgentContext, reason: TerminationReason, detail: str) -> Trajectory:
         """The partial trajectory of a failed loop (or a prompt-only one if it never started)."""

@@ -235,6 +235,15 @@ class SandboxSession:
         if path.endswith(".py"):
             await self._forget_bytecode(path)
 
+    async def save_state(self, path: str) -> int:
+        """The workspace now, kept at `path` on this node (a durable trajectory's turn
+        boundary, rollout.durable); its bytes."""
+        return await self.provider.save_state(self._open_lease(), path)
+
+    async def restore_state(self, path: str) -> None:
+        """Put the workspace `save_state` kept at `path` back (a continued trajectory)."""
+        await self.provider.restore_state(self._open_lease(), path)
+
     async def _forget_bytecode(self, path: str) -> None:
         """Delete the cached bytecode of an edited module. Python trusts a .pyc whose
         source has the same size and mtime second, so a same-size edit right after an

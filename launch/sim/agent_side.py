@@ -134,6 +134,13 @@ class SimSandboxProvider:
     async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
         return WorkspaceChanges()
 
+    async def save_state(self, lease: SandboxLease, path: str) -> int:
+        open(path, "wb").close()  # a simulated workspace holds no files
+        return 0
+
+    async def restore_state(self, lease: SandboxLease, path: str) -> None:
+        return None
+
 
 def build_obs_text(tokenizer: Any, obs_tokens: int) -> str:
     """Command output of about `obs_tokens` tokens (the bash tool adds its status lines)."""

@@ -250,3 +250,61 @@ async def test_a_tool_call_that_outlives_its_timeout_becomes_an_observation(
     metrics = compute_batch_metrics([group], version=0)
     assert metrics["rollout/tool_timeouts"] == 2.0 <= metrics["rollout/tool_calls"]
     assert recording.pool.stats().num_in_use == 0
+
+
+class HoldingEngine(ScriptedEngine):
+    """The scripted engine, except that a session's call number `hold_at` (0-based) never
+    returns: the trajectory is stopped there, as a Ctrl-C or a kill would find it."""
+
+    def __init__(self, tokenizer, script: list[str], hold_at: int) -> None:
+        super().__init__(tokenizer, script)
+        self.hold_at, self.held = hold_at, asyncio.Event()
+
+    async def generate(self, request_id, prompt_ids, sampling):
+        if self.turns.get(request_id.split("#")[0], -1) + 1 == self.hold_at:
+            self.held.set()
+            await asyncio.Event().wait()
+        return await super().generate(request_id, prompt_ids, sampling)
+
+
+async def test_a_stopped_sandboxed_trajectory_continues_with_its_workspace(
+        recording: Recording, task: Task, tiny_model_path: Path, tmp_path: Path) -> None:
+    """Stopped while generating its 4th turn, a trajectory continues in a new worker from
+    its journal (rollout.durable): its 3 turns are replayed byte for byte without the
+    engine, its new sandbox holds the files written before the stop (the 4th turn's
+    `cat` shows them, the final workspace is graded 1), and its journal folder is gone
+    once the group is returned."""
+    from transformers import AutoTokenizer
+
+    from rollout.durable import CODEC, DurableSetup, TurnGenerated, journal_file
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    script = [call("write_file", path="log.txt", content="one\n"),
+              call("bash", command="echo two >> log.txt"), call("bash", command="wc -l < log.txt"),
+              call("bash", command="cat log.txt"), call("submit")]
+    setup = DurableSetup(str(tmp_path / "inflight"), "run-a")
+    first = scripted_worker(tokenizer, script, recording.pool, SETTINGS, tool_timeout_s=30.0)
+    first.durable = setup
+    engine = first.router._engines["e0"] = HoldingEngine(tokenizer, script, hold_at=3)
+    run = asyncio.create_task(first.run_group(task, "g3", 1))
+    await asyncio.wait_for(engine.held.wait(), 120)
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    path = journal_file(setup.folder, "g3", 0)
+    before = [r for r in CODEC.read(path).records if isinstance(r, TurnGenerated)]
+    assert len(before) == 3 and first.stats().durable.num_states == 3
+
+    second = scripted_worker(tokenizer, script[3:], recording.pool, SETTINGS, tool_timeout_s=30.0)
+    second.durable = setup
+    (traj,) = (await second.run_group(task, "g3", 1)).trajectories
+    assert traj.termination is TerminationReason.FINISHED, traj.termination_detail
+    assert len(traj.turns) == 5 and second.router._engines["e0"].turns == {"g3/0": 1}  # 2 live calls
+    model = np.flatnonzero(traj.response_mask == 1)
+    for record, turn, start in zip(before, traj.turns, np.cumsum([0] + [u.num_generated for u in traj.turns])):
+        assert traj.response_ids[model[start:start + turn.num_generated]].tolist() == record.token_ids.tolist()
+    text = tokenizer.decode(traj.response_ids.tolist())
+    assert "one\ntwo" in text.split("cat log.txt")[-1], text  # written before the stop, there after it
+    assert traj.reward == 1.0  # graded from the continued sandbox's final workspace
+    stats = second.stats().durable
+    assert (stats.num_continued, stats.num_turns_replayed, stats.num_restarted) == (1, 3, 0)
+    assert not os.path.exists(os.path.dirname(path))

@@ -2,11 +2,13 @@
 trajectory stopped mid-run continues, in a new worker, from its journal (its first turns
 byte-identical, none of them sent to the engine again, their versions kept), and what
 cannot be continued starts over: a journal of another run, a sandbox task, a loop that
-replays differently, generations of weights the resumed run no longer has."""
+replays differently, generations of weights the resumed run no longer has; a sandboxed
+trajectory continues from its newest saved workspace."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import numpy as np
@@ -118,13 +120,27 @@ async def test_what_cannot_be_continued_starts_over_and_is_counted(tokenizer, tm
     assert traj.termination is TerminationReason.FINISHED and len(engine3.prompts["g7/0"]) == 6
     assert fewer_tools.stats().durable.num_restarted == 1
 
-    # A trajectory whose tools work in a sandbox: its state is not in the journal.
-    sandboxed = TrajectoryBegun("run-a", TASK.id, "g8", 0, LOOP, np.array([1, 2], np.int32), True)
+
+
+def test_a_sandboxed_journal_continues_from_its_newest_saved_state(tmp_path):
+    """Its workspace after each turn's tools is saved beside the journal, only the newest
+    kept: the replay restores that one and goes up to the next tools, which run again."""
     path = journal_file(str(tmp_path), "g8", 0)
     os.makedirs(os.path.dirname(path))
-    append_frame(path, CODEC.encode(sandboxed))
+    gen = TurnGenerated(2, np.array([5], np.int32), np.array([-0.1], np.float32), np.array([0], np.int32),
+                        "stop", 2, 0, False, 0.0, 0.0, "e0", 0.0)
+    ran = ToolsRan(("bash {}",), ("ok",), ("bash",), 1, 0, 0, False, 0.1, ("bash",), ())
+    records = [TrajectoryBegun("run-a", TASK.id, "g8", 0, LOOP, np.array([1, 2], np.int32), True),
+               gen, dataclasses.replace(ran, state="0.journal.state1"),  # deleted once state2 was saved
+               gen, dataclasses.replace(ran, state="0.journal.state2"),
+               gen, dataclasses.replace(ran, state=""), gen]  # saving failed, then killed
+    for r in records:
+        append_frame(path, CODEC.encode(r))
+    open(path + ".state2", "wb").close()
     found = open_replay(path, "run-a", TASK.id, "g8", 0, LOOP, max_version=0)
-    assert found.replay is None and "sandbox" in found.reason and not os.path.exists(path)
+    assert found.replay is not None and found.replay.state == "0.journal.state2"
+    assert len(found.replay.records) == 5  # up to the third generation; its tools run again
+    assert len(CODEC.read(path).records) == 6
 
 
 def test_a_torn_last_record_is_cut_off_and_the_journal_goes_on(tmp_path):

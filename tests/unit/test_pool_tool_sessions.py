@@ -6,6 +6,7 @@ in-memory provider)."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 import re
 from pathlib import Path
 
@@ -124,6 +125,14 @@ class FakeProvider:
 
     async def checkpoint(self, lease: SandboxLease) -> None:
         self.num_checkpoints += 1
+
+    async def save_state(self, lease: SandboxLease, path: str) -> int:
+        data = pickle.dumps(self.files[lease.sandbox_id])
+        Path(path).write_bytes(data)
+        return len(data)
+
+    async def restore_state(self, lease: SandboxLease, path: str) -> None:
+        self.files[lease.sandbox_id] = pickle.loads(Path(path).read_bytes())
 
     async def workspace_changes(self, lease: SandboxLease, max_bytes: int) -> WorkspaceChanges:
         if self.fail_capture:
