@@ -5,10 +5,17 @@ mounts and folders) are reaped by the next start, which resumes the run
 file without a repeated step, with totals carried across the resume, the staleness bound
 held and no more admissions than a fresh run would make; Ctrl-C (SIGINT; SIGTERM takes
 the same path) mid-run then stops at a step boundary with a checkpoint, prints the resume
-command, and leaves no Ray process, sandbox mount or sandbox folder behind."""
+command, and leaves no Ray process, sandbox mount or sandbox folder behind.
+
+The trajectories are six turns long (durable_plugins.SixTurnLogLoop, each turn appending a
+line to a file in its sandbox), and those in flight when the driver is SIGKILLed continue
+after the resume from their journals (rollout.durable): their journaled turns are not
+generated again (their timeline rows keep the original start times and token counts), and
+the file they print at the end holds each line once, in order, across the kill."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -18,8 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
+from durable_plugins import TURNS, expected_log
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # durable_plugins, the runs' agent loop
 ETA = 1
 B = 2
 
@@ -28,12 +37,15 @@ def overrides(tmp_path: Path, steps: int) -> list[str]:
     return ["recipe=quickstart.yaml", "model.warm_start=null", "eval.tasks=null",
             f"train.num_steps={steps}", "train.group_size=2", f"train.groups_per_step={B}",
             f"buffer.max_staleness={ETA}", "checkpoint.every_steps=1", "train.backend=torch",
+            "agent.loop=durable_plugins:SixTurnLogLoop", f"agent.max_turns={TURNS}",
+            "agent.max_new_tokens_per_turn=16", "agent.max_response_tokens=1024",
+            "logging.num_transcripts_per_step=100",
             f"logging.output_dir={tmp_path}", "logging.run_name=stoppable",
             "logging.wandb_mode=disabled", "logging.console=false"]
 
 
 def start(tmp_path: Path, steps: int, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
     return subprocess.Popen([sys.executable, "-m", "trainer.main", *overrides(tmp_path, steps), *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -54,10 +66,12 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int,
-                  timeout_s: float = STEP_TIMEOUT_S) -> None:
+                  timeout_s: float = STEP_TIMEOUT_S, metric: str = "reward/mean") -> None:
+    """Until a step >= `step` logged `metric` (with a value > 0 unless it is reward/mean)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(r.get("step", 0) >= step and "reward/mean" in r for r in metric_rows(run_dir)):
+        if any(r.get("step", 0) >= step and metric in r and (metric == "reward/mean" or r[metric] > 0)
+               for r in metric_rows(run_dir)):
             return
         if proc.poll() is not None:
             pytest.fail(f"the run exited {proc.returncode} early:\n{proc.stdout.read()[-4000:]}")
@@ -125,6 +139,26 @@ def assert_nothing_left(run_pids: set[int], run_mounts: list[str], timeout_s: fl
     assert left == [] and mounts == []
 
 
+def journaled_turns(folder: Path, max_version: int) -> dict[str, list[tuple[float, int]]]:
+    """Per trajectory ("g3/1"), the (start time, tokens) of each generation its journal
+    holds now (rollout.durable), up to the first of a version over `max_version` (weights
+    a resume from that checkpoint does not have: generated again)."""
+    from rollout.durable import CODEC, TurnGenerated
+
+    out = {}
+    for path in folder.glob("*/*.journal"):
+        gens = [r for r in CODEC.read(str(path)).records if isinstance(r, TurnGenerated)]
+        kept = [(round(g.started_at, 4), len(g.token_ids)) for g in
+                itertools.takewhile(lambda g: int(g.versions.max()) <= max_version, gens)]
+        if kept:
+            out[f"{path.parent.name}/{path.stem}"] = kept
+    return out
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def snapshot(proc: subprocess.Popen, root: Path) -> tuple[set[int], list[str]]:
     """The run's processes and its sandbox mounts now."""
     return process_tree(proc.pid), sandbox_mounts(root)
@@ -141,11 +175,17 @@ def test_a_sigkilled_run_is_reaped_resumed_and_stopped_by_ctrl_c_leaving_nothing
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its Ray processes and mounts stay
     proc.wait(timeout=30)
     killed_at = max(r["step"] for r in metric_rows(run_dir))
+    # The killed run's workers go on until the resume reaps them: its journals may grow,
+    # and what they hold now is replayed at least.
+    resumes_at = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+    journaled = journaled_turns(run_dir / "inflight", resumes_at)
 
     # The resume reaps what SIGKILL left, continues the run, and stops at a step boundary
     # on one Ctrl-C (SIGTERM takes the same path) with a checkpoint and the resume command.
     proc = start(tmp_path, 200, "checkpoint.resume_from=latest")
     wait_for_step(proc, run_dir, killed_at + 1)
+    # ... and until the continued trajectories are back (counted when each one ends).
+    wait_for_step(proc, run_dir, killed_at + 1, metric="durable/turns_replayed")
     pids, mounts = snapshot(proc, own_tmpdir)
     assert mounts
     os.kill(proc.pid, signal.SIGINT)
@@ -173,3 +213,26 @@ def test_a_sigkilled_run_is_reaped_resumed_and_stopped_by_ctrl_c_leaving_nothing
     assert all(r["staleness/max"] <= ETA for r in rows)
     assert (run_dir / "config.yaml").is_file()
     assert [r for r in rows if "rollout/tool_parse/ok" in r]  # tool-parse counts reach metrics.jsonl
+
+    # In-flight trajectories continued from their journals: their journaled turns were not
+    # generated again (the timeline shows them with the start times the killed run gave them)
+    # and their sandboxes came back as they were (each line of the file once, in order).
+    resumed = [r for r in rows if r["step"] > killed_at]
+    replayed = max(r.get("durable/turns_replayed", 0) for r in resumed)
+    assert journaled and max(r.get("durable/continued", 0) for r in resumed) >= 1 and replayed >= 1
+    turns = [e for e in read_rows(run_dir / "events.jsonl") if e.get("kind") == "turn" and e["step"] > killed_at]
+    trained = {}
+    for e in turns:
+        trained.setdefault(e["traj"], []).append((e["turn"], e["t0"], e["tokens"]))
+    continued = {traj: sorted(trained[traj]) for traj in journaled if traj in trained}
+    assert continued, (sorted(journaled), sorted(trained))
+    for traj, rows_of in continued.items():
+        before = journaled[traj]
+        assert [(t0, n) for _, t0, n in rows_of[:len(before)]] == before, traj
+    logs = [t["response"] for t in read_rows(run_dir / "transcripts.jsonl") if t["step"] > killed_at
+            and f"{t['group_id']}/{t['index']}" in continued and t["termination"] == "finished"]
+    assert logs and all(text.count(expected_log()) == 1 and text.count("turn-1\n") == 1 for text in logs)
+    print(f"\njournaled turns at the kill: {sum(len(v) for v in journaled.values())} in {len(journaled)} "
+          f"trajectories (all generated again before durable trajectories); replayed after the resume: "
+          f"{replayed}; {len(continued)} of them trained after the resume, none of their journaled turns "
+          f"generated again")
