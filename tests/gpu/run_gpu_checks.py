@@ -1,24 +1,54 @@
-"""The trainer's GPU checks in one script, for a machine with one GPU, torch and transformers
-and no network (under 10 minutes on an H100/H200):
+"""The trainer's GPU checks in one script, for a machine with one GPU (H100 / H200), torch
+and transformers, and no network or package index (no vLLM, no Ray; DeepSpeed only where
+a wheel was carried):
 
-    python tests/gpu/run_gpu_checks.py [--out results.json]          # on the GPU
-    python tests/gpu/run_gpu_checks.py --device cpu --tiny           # the CPU-safe smoke run
+    python tests/gpu/run_gpu_checks.py --out results.json       # the GPU check, < 8 min on an H100
+    python tests/gpu/run_gpu_checks.py --device cpu --tiny      # dry mode: every code path on CPU
+    python tests/gpu/run_gpu_checks.py --only train_step,weight_push   # a subset, to rerun
 
-1. memory vs length: one packed sequence of 2k..64k tokens through a Qwen3-8B-shaped model
-   with few layers (hidden 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 12288,
-   vocab 151,936) in bf16 with activation checkpointing, logprobs + entropy forward and
-   backward, chunked (train.logprob_chunk_tokens=2048) and unchunked (until it runs out of
-   memory); peak CUDA memory per length and the chunked path's bytes per token.
-2. packed-vs-per-sequence parity in bf16: four sequences packed in one row vs each alone,
-   with every attention path present (sluice_packed_sdpa, flash_attention_2 when flash-attn
-   is installed), and chunked vs unchunked on the same row.
-3. DeepSpeed, when installed: one ZeRO-3 training step (one process) of the chunked path on
-   a small Qwen3-shaped model saved to a temporary folder: finite loss and gradient norm.
+Each check is one function (tests/gpu/gpu_checks_*.py) that returns its figures and the
+expectations that failed; a check that cannot run here is skipped with its reason (ok, but
+listed apart). The script prints a line per finding as it goes, then one per check with
+its wall time, writes everything as JSON with --out, and exits 1 when a check failed.
 
-Imports only the standard library, torch, transformers (and flash-attn / deepspeed when
-present) and the sluice modules those need (trainer.train.backends). Prints a report and writes
-it as JSON with --out; exit status 1 when a check fails. Memory figures are asserted only
-as "the chunked path fits and grows linearly"; timings are printed, never asserted.
+  check               asserts (on CUDA; the dry mode asserts what holds on CPU)     GPU budget  dry
+  sdpa_kernel         the trainer's packed GQA attention (compute_packed_sdpa_attention)  20 s     5 s
+                      runs a fused kernel, not math, forward and backward, also with math
+                      ruled out (sdpa_kernel); which one, and each backend alone, reported
+  packed_parity       4 sequences packed in one row == each alone, chunked == unchunked   20 s     2 s
+                      (Qwen3-8B shape, 2 layers, bf16, each attention the trainer loads)
+  train_step          TorchBackend.train_step, tiny and Qwen3-0.6B-shaped random models,  90 s     6 s
+                      8k and 34.5k tokens (one sequence of 33,000 > 32,768) with the swe
+                      recipe's YaRN: behaviour logprobs from an unpacked HF forward of the
+                      same weights; the step's proximal logprobs == HF's, IS weight mean ~ 1,
+                      weights move, and YaRN is in effect (plain RoPE differs far more)
+  memory_vs_length    Qwen3-8B shape, 2 layers, 8k and 32k tokens: the chunked path fits,  30 s     8 s
+                      grows at most linearly, costs less than unchunked (OOM at 32k)
+  memory_vs_estimate  Qwen3-8B slices (1, 2 layers) at 65,536 tokens, gradients alive,    45 s     5 s
+                      extrapolated to 36 layers, within 1.3x of model_check's estimate of
+                      weights + grads + activations + logits (no optimizer runs here)
+  weight_push         LocalSender/BroadcastTransport to 2 receiver processes running the   60 s    17 s
+                      engines' receive code: 2 pushes bit-exact; one receiver killed mid-push
+                      (survivor served < 20 s); one stopped (rank 0 out < timeout + grace)
+  deepspeed           ZeRO-3 init and one step, HF behaviour logprobs (when installed)     60 s    skip
+  start-up, imports, CUDA context, model saves and loads                                  40 s     3 s
+  total                                                                                  365 s   ~45 s
+
+The budgets are estimates (no GPU was at hand when this was written): FLOPs at ~350 TFLOP/s
+(35% of an H100's 989 dense bf16), each doubled for what FLOPs miss. train_step's 0.6B long
+case: 28 layers x 2 x 33,000^2 x 2,048 causal attention FLOPs (125 TFLOP) + 1.2 GFLOP a
+token (40 TFLOP) a forward; a step is ~4 forwards (checkpointed), plus two HF reference
+forwards: ~1.2 PFLOP, 4 s. memory_vs_estimate: per Qwen3-8B layer at 65,536 tokens 35 TFLOP
+attention + 25 TFLOP matmuls a forward, ~4.5x for the step; the head 82 TFLOP x 4; slices
+of 1 and 2 layers: 1.4 PFLOP, 5 s. memory_vs_length: 0.4 PFLOP. weight_push is bound by its
+own time-outs: the stopped receiver costs sync.timeout_s (5 s) + grace (10.5 s) by design.
+The dry column was measured on a 2-core CPU shared with a running test suite (35-65 s
+in all; 13 s of it the stopped receiver's deadline and grace). Timings are printed, never
+asserted; the budgets are printed beside them.
+
+Imports only the standard library, torch, transformers, numpy, PyYAML and the sluice
+modules the trainer uses; deepspeed inside its check on CUDA, vllm only for NCCL with three
+GPUs; never ray, omegaconf, wandb or datasets.
 """
 
 from __future__ import annotations
@@ -26,267 +56,128 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the models are built here
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[1:1] = [str(ROOT), str(ROOT / "tests")]  # sluice, and tests/model_configs.py
 
 import torch  # noqa: E402  (after the path fix: runs as a script)
-from buffer.batch import TrainBatch  # noqa: E402  (after the path fix: runs as a script)
+from gpu_checks_attention import check_packed_parity, check_sdpa_kernel  # noqa: E402
+from gpu_checks_memory import check_memory_vs_estimate, check_memory_vs_length  # noqa: E402
+from gpu_checks_models import Settings, free_memory  # noqa: E402
+from gpu_checks_push import check_weight_push  # noqa: E402
+from gpu_checks_train import check_deepspeed, check_train_step  # noqa: E402
 
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
-                max_position_embeddings=131072, tie_word_embeddings=False)
-TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, vocab_size=151936, rope_theta=1e6,
-            max_position_embeddings=8192, tie_word_embeddings=False)
-GPU_LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
-CPU_LENGTHS = (256, 512, 1024)
-CHUNK = 2048
-PARITY_MEAN_TOL = 5e-3  # bf16 weights, fp32 logprobs: kernels differ by a few bf16 ulps
-PARITY_MAX_TOL = 0.1
-
-
-def build_model(shape: dict, num_layers: int, dtype: torch.dtype, device: str, attn: str,
-                checkpointing: bool) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from trainer.train.backends.logprobs import register_packed_sdpa
-
-    register_packed_sdpa()
-    torch.manual_seed(0)
-    config = Qwen3Config(num_hidden_layers=num_layers, **shape)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(device)
+Check = Callable[[Settings], dict[str, Any]]
+CHECKS: dict[str, tuple[Check, float]] = {  # name: (check, GPU budget in seconds)
+    "sdpa_kernel": (check_sdpa_kernel, 20),
+    "packed_parity": (check_packed_parity, 20),
+    "train_step": (check_train_step, 90),
+    "memory_vs_length": (check_memory_vs_length, 30),
+    "memory_vs_estimate": (check_memory_vs_estimate, 45),
+    "weight_push": (check_weight_push, 60),
+    "deepspeed": (check_deepspeed, 60),
+}
 
 
-def random_trajectories(lengths: list[int], vocab: int, seed: int = 0) -> list:
-    """Sequences of the given lengths (prompt 1/4, response 3/4, all model tokens)."""
-    import numpy as np
-
-    from envs.types import Trajectory
-
-    rng = np.random.default_rng(seed)
-    trajs = []
-    for i, n in enumerate(lengths):
-        p = max(1, n // 4)
-        r = n - p
-        trajs.append(Trajectory(task_id=f"t{i}", group_id="g", index=i,
-                                prompt_ids=rng.integers(0, vocab, p).tolist(),
-                                response_ids=rng.integers(0, vocab, r).tolist(),
-                                response_mask=np.ones(r, np.int32),
-                                logprobs=np.zeros(r, np.float32), versions=np.zeros(r, np.int32),
-                                termination="finished"))
-    return trajs
-
-
-def random_packed(lengths: list[int], vocab: int, seed: int = 0):
-    """The sequences of `random_trajectories` packed into one row."""
-    from trainer.train.backends.packing import pack_trajectories
-
-    return pack_trajectories(random_trajectories(lengths, vocab, seed), torch.zeros(len(lengths)))
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure_step(model: torch.nn.Module, packed, device: str, chunk: int) -> dict:
-    """Peak memory and time of logprobs + entropy forward and backward on one packed row."""
-    from trainer.train.backends.logprobs import compute_token_logprobs_and_entropy
-
-    model.zero_grad(set_to_none=True)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    try:
-        lp, ent = compute_token_logprobs_and_entropy(model, packed, 1.0, with_entropy=True,
-                                                     chunk_tokens=chunk)
-        (lp.float().mean() + 0.01 * ent.float().mean()).backward()
-        _sync(device)
-    except torch.OutOfMemoryError:
-        model.zero_grad(set_to_none=True)
-        return {"oom": True}
-    out = {"oom": False, "seconds": time.perf_counter() - start}
-    if device == "cuda":
-        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        out["above_weights_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def check_memory_vs_length(args, report: dict) -> None:
-    shape = TINY if args.tiny else QWEN3_8B
-    model = build_model(shape, args.layers, args.dtype, args.device, "sluice_packed_sdpa",
-                        checkpointing=True)
-    rows = []
-    unchunked_oom = False
-    for n in args.lengths:
-        packed = random_packed([n], shape["vocab_size"], seed=n)
-        row = {"tokens": n, "chunked": measure_step(model, packed, args.device, CHUNK)}
-        if not unchunked_oom:
-            row["unchunked"] = measure_step(model, packed, args.device, 0)
-            unchunked_oom = row["unchunked"]["oom"]
-        rows.append(row)
-        print(f"  {n:>6} tokens  chunked {_fmt(row['chunked'])}  unchunked "
-              f"{_fmt(row.get('unchunked', {'oom': True, 'skipped': True}))}", flush=True)
-    del model
-    report["memory_vs_length"] = rows
-    fits = all(not r["chunked"]["oom"] for r in rows)
-    result = {"ok": fits, "detail": "the chunked path ran at every length" if fits else
-              "the chunked path ran out of memory"}
-    peaks = [(r["tokens"], r["chunked"].get("above_weights_gib")) for r in rows
-             if not r["chunked"]["oom"] and "above_weights_gib" in r["chunked"]]
-    if len(peaks) >= 2:
-        (n0, p0), (n1, p1) = peaks[0], peaks[-1]
-        slope = (p1 - p0) * 2**30 / (n1 - n0)
-        result["chunked_bytes_per_token"] = slope
-        # Linear with a small constant: growth per token stays within 3x of the average.
-        steps = [(b - a) * 2**30 / (m - k) for (k, a), (m, b) in zip(peaks, peaks[1:])]
-        result["ok"] = fits and max(steps) <= 3 * max(slope, 1.0)
-        result["detail"] += f"; {slope / 1024:.0f} KiB per token above the weights"
-    both = [r for r in rows if not r["chunked"]["oom"] and not r.get("unchunked", {"oom": True})["oom"]
-            and "peak_gib" in r["chunked"]]
-    if both and both[-1]["tokens"] >= 8192:
-        # Past a few chunks the unchunked [T, V] logits must cost more than the chunks do.
-        last = both[-1]
-        saved = last["unchunked"]["peak_gib"] - last["chunked"]["peak_gib"]
-        result["ok"] = result["ok"] and saved > 0
-        result["detail"] += (f"; at {last['tokens']} tokens chunking saves {saved:.1f} GiB "
-                             f"of peak memory")
-    report["checks"]["memory_vs_length"] = result
-
-
-def _fmt(cell: dict) -> str:
-    if cell.get("skipped"):
-        return "skipped (ran out of memory at a shorter length)"
-    if cell["oom"]:
-        return "out of memory"
-    mem = f"{cell['peak_gib']:6.1f} GiB peak " if "peak_gib" in cell else ""
-    return f"{mem}{cell['seconds']:6.2f} s"
-
-
-@torch.no_grad()
-def check_packed_parity(args, report: dict) -> None:
-    from trainer.train.backends.logprobs import compute_token_logprobs_and_entropy
-    from trainer.train.backends.packing import pack_trajectories
-
-    shape = TINY if args.tiny else QWEN3_8B
-    attns = ["sluice_packed_sdpa"]
-    if args.device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        attns.append("flash_attention_2")
-    lengths = [700, 1500, 300, 2100] if not args.tiny else [70, 150, 30, 210]
-    trajs = random_trajectories(lengths, shape["vocab_size"], seed=1)
-    packed = pack_trajectories(trajs, torch.zeros(len(trajs)))
-    results = {}
-    for attn in attns:
-        model = build_model(shape, args.layers, args.dtype, args.device, attn, False).eval()
-        row_lp, _ = compute_token_logprobs_and_entropy(model, packed, chunk_tokens=CHUNK)
-        unchunked_lp, _ = compute_token_logprobs_and_entropy(model, packed, chunk_tokens=0)
-        diffs = []
-        for s, (a, b) in enumerate(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())):
-            single = pack_trajectories([trajs[s]], torch.zeros(1))
-            alone, _ = compute_token_logprobs_and_entropy(model, single, chunk_tokens=CHUNK)
-            mask = packed.loss_mask_T[a:b].to(alone.device)
-            diffs.append((row_lp[a:b] - alone)[mask].abs().float())
-        d = torch.cat(diffs)
-        chunk_d = (row_lp - unchunked_lp)[packed.loss_mask_T.to(row_lp.device)].abs().float()
-        ok = d.mean().item() < PARITY_MEAN_TOL and d.max().item() < PARITY_MAX_TOL
-        ok = ok and chunk_d.max().item() < PARITY_MAX_TOL
-        results[attn] = {"ok": ok, "packed_vs_alone_mean": d.mean().item(),
-                         "packed_vs_alone_max": d.max().item(),
-                         "chunked_vs_unchunked_max": chunk_d.max().item()}
-        print(f"  {attn:<20} packed vs alone: mean {d.mean().item():.2e} max "
-              f"{d.max().item():.2e}; chunked vs unchunked max {chunk_d.max().item():.2e}",
-              flush=True)
-        del model
-    report["checks"]["packed_parity"] = {"ok": all(r["ok"] for r in results.values()),
-                                         "detail": results}
-
-
-def check_deepspeed(args, report: dict) -> None:
-    if args.device != "cuda" or importlib.util.find_spec("deepspeed") is None:
-        report["checks"]["deepspeed"] = {"ok": True, "skipped": True,
-                                         "detail": "needs CUDA and deepspeed"}
-        return
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from trainer.train.backends.deepspeed_backend import DeepSpeedBackend
-    from trainer.train.config import LossConfig, TrainConfig
-
-    with tempfile.TemporaryDirectory() as folder:
-        shape = dict(TINY, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                     num_key_value_heads=4, head_dim=64)
-        AutoModelForCausalLM.from_config(Qwen3Config(num_hidden_layers=2, **shape)).save_pretrained(folder)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        backend = DeepSpeedBackend(TrainConfig(zero_stage=3, lr=1e-5, micro_batch_tokens=4096,
-                                               logprob_chunk_tokens=512,
-                                               gradient_checkpointing=True), folder,
-                                   dtype="bfloat16", device="cuda")
-        trajs = random_trajectories([1500, 900, 2000], shape["vocab_size"], seed=3)
-        result = backend.train_step(TrainBatch(trajs, [1.0, -0.5, -0.5], backend.version), LossConfig())
-    ok = bool(torch.isfinite(torch.tensor([result.loss, result.grad_norm])).all())
-    report["checks"]["deepspeed"] = {"ok": ok, "detail": f"ZeRO-3 step: loss {result.loss:.4f}, "
-                                     f"grad norm {result.grad_norm:.3f}"}
-    print(f"  deepspeed ZeRO-3 chunked step: loss {result.loss:.4f} grad norm "
-          f"{result.grad_norm:.3f}", flush=True)
-
-
-def environment() -> dict:
+def environment() -> dict[str, Any]:
     import transformers
 
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__, "cuda": torch.version.cuda,
-           "flash_attn": importlib.util.find_spec("flash_attn") is not None,
-           "deepspeed": importlib.util.find_spec("deepspeed") is not None}
+           "gpus": torch.cuda.device_count(),
+           **{name: importlib.util.find_spec(name) is not None
+              for name in ("flash_attn", "deepspeed", "vllm")}}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
     return env
 
 
+def run_check(name: str, check: Check, settings: Settings) -> dict[str, Any]:
+    """One check, its wall time; an exception is that check's failure, not the run's."""
+    start = time.monotonic()
+    try:
+        result = check(settings)
+    except Exception:  # one broken check must not hide the others' results
+        result = {"ok": False, "failures": [traceback.format_exc()]}
+        print(traceback.format_exc(), file=sys.stderr, flush=True)
+    result["seconds"] = time.monotonic() - start
+    free_memory()
+    return result
+
+
+def status(result: dict[str, Any]) -> str:
+    return "SKIP" if result.get("skipped") else "PASS" if result["ok"] else "FAIL"
+
+
+def format_summary(report: dict[str, Any], settings: Settings) -> str:
+    lines = ["", "summary:"]
+    for name, result in report["checks"].items():
+        budget = "" if settings.dry else f" (budget {CHECKS[name][1]:.0f} s)"
+        lines.append(f"  {status(result)}  {name:<20} {result['seconds']:7.1f} s{budget}")
+        if result.get("skipped"):
+            lines.append(f"        skipped: {result['reason']}")
+        for failure in result.get("failures", []):
+            lines.append("        " + failure.strip().replace("\n", "\n        "))
+    push = report["checks"].get("weight_push", {})
+    if push and not push.get("nccl_exercised", True):
+        lines.append(f"  note: weight_push ran {push['transport']} on {push['devices'][0]}: "
+                     f"{push['transport_reason']}")
+    results = list(report["checks"].values())
+    skips = [n for n, r in report["checks"].items() if r.get("skipped")]
+    failed = [n for n, r in report["checks"].items() if not r["ok"]]
+    lines.append(f"  {len(results) - len(skips) - len(failed)} passed, {len(failed)} failed"
+                 f"{' (' + ', '.join(failed) + ')' if failed else ''}, {len(skips)} skipped"
+                 f"{' (' + ', '.join(skips) + ')' if skips else ''}; {report['seconds']:.1f} s in all")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="small hidden size (CPU smoke run)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lengths", default=None, help="comma-separated token counts")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tiny", action="store_true",
+                        help="dry mode: tiny shapes and short sequences (needed with --device cpu)")
+    parser.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(CHECKS)}")
+    parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device; use --device cpu --tiny for the CPU-safe run", file=sys.stderr)
+        print("no CUDA device; use --device cpu --tiny for the dry mode", file=sys.stderr)
         return 2
-    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    args.lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths else
-                    list(GPU_LENGTHS if args.device == "cuda" else CPU_LENGTHS))
-    report: dict = {"environment": environment(), "command": " ".join(sys.argv), "checks": {}}
-    print("environment: " + json.dumps(report["environment"]))
+    if args.device == "cpu" and not args.tiny:
+        print("--device cpu runs the dry mode only: add --tiny", file=sys.stderr)
+        return 2
+    names = list(CHECKS) if args.only is None else args.only.split(",")
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        print(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}", file=sys.stderr)
+        return 2
+    settings = Settings(device=args.device, dry=args.tiny)
+    # The fault scenarios log the failures they provoke (WARNING, from sluice's own modules).
+    logging.basicConfig(level=logging.WARNING, format="    [log %(name)s] %(message).240s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    report: dict[str, Any] = {"environment": environment(), "command": " ".join(sys.argv),
+                              "dry": settings.dry, "checks": {}}
+    print("environment: " + json.dumps(report["environment"]), flush=True)
     start = time.monotonic()
-    for name, check in (("memory vs length", check_memory_vs_length),
-                        ("packed parity", check_packed_parity), ("deepspeed", check_deepspeed)):
+    for name in names:
         print(f"{name}:", flush=True)
-        try:
-            check(args, report)
-        except Exception:  # one broken check must not hide the others' results
-            key = name.replace(" ", "_")
-            report["checks"][key] = {"ok": False, "detail": traceback.format_exc()}
-            print(traceback.format_exc(), file=sys.stderr)
+        result = report["checks"][name] = run_check(name, CHECKS[name][0], settings)
+        print(f"  -> {status(result)} in {result['seconds']:.1f} s", flush=True)
     report["seconds"] = time.monotonic() - start
     report["modules"] = sorted({m.split(".")[0] for m in sys.modules if not m.startswith("_")})
-    for name, result in report["checks"].items():
-        print(f"{'PASS' if result['ok'] else 'FAIL'}  {name}")
+    print(format_summary(report, settings), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, default=str))
     return 0 if all(r["ok"] for r in report["checks"].values()) else 1
