@@ -469,8 +469,10 @@ class SandboxPool:
             grant = await self._wait_turn(spec)
         queue_wait_s = time.monotonic() - start
         self._queue_wait.record(queue_wait_s)
-        sandbox = grant.warm or await self._create_in_slot(spec, grant)
-        if self._closed:  # closed while this caller was creating
+        # A task of the pool's, so that close() waits for a create in progress and for its
+        # sandbox's release (else the process ends with it mounted).
+        sandbox = grant.warm or await self._spawn(self._create_for_caller(spec, grant))
+        if self._closed:  # closed while this caller waited for a warm one
             await _release_quietly(sandbox, self.name)
             raise ValueError(f"{self.name} was closed; build a new pool")
         self._counters.num_acquires += 1
@@ -532,6 +534,13 @@ class SandboxPool:
         if grant.evicted is not None:
             self._spawn(_release_quietly(grant.evicted, self.name))
         self._free_slot()
+
+    async def _create_for_caller(self, spec: SandboxSpec, grant: _Grant) -> Sandbox:
+        sandbox = await self._create_in_slot(spec, grant)
+        if self._closed:  # closed while this caller was creating: released before close() returns
+            await _release_quietly(sandbox, self.name)
+            raise ValueError(f"{self.name} was closed; build a new pool")
+        return sandbox
 
     async def _create_in_slot(self, spec: SandboxSpec, grant: _Grant) -> Sandbox:
         self._num_creating += 1

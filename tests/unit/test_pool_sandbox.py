@@ -404,6 +404,24 @@ async def test_close_fails_waiters_and_releases_everything() -> None:
         await pool.acquire(GENERIC)
 
 
+async def test_close_waits_for_a_create_in_progress_and_releases_its_sandbox() -> None:
+    """The run's end closes the pools while an acquire is still creating: close() must not
+    return (and let the process end) before that sandbox is released."""
+    backend = FakeBackend()
+    pool = make_pool(backend)
+    backend.create_gate = asyncio.Event()
+    acquiring = asyncio.create_task(pool.acquire(SandboxSpec(source_dir="/task")))
+    await asyncio.sleep(0.01)
+    closing = asyncio.create_task(pool.close())
+    await asyncio.sleep(0.01)
+    assert not closing.done()  # it waits for the create
+    backend.create_gate.set()
+    await closing
+    assert len(backend.made) == 1 and backend.alive == 0  # made after close() began, released before it ended
+    with pytest.raises(ValueError, match="closed"):
+        await acquiring
+
+
 def test_config_mistakes_raise_value_errors_naming_the_key() -> None:
     backend = FakeBackend()
     with pytest.raises(ValueError, match="envs.num_warm_sandboxes"):
