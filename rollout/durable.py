@@ -326,7 +326,11 @@ def open_replay(path: str, run_id: str, task_id: str, group_id: str, index: int,
     trajectory's fresh journal starts empty. The replay stops before the first generation
     of a version over `max_version` (weights the restart no longer has: the run resumed
     from an earlier checkpoint) and the file is cut there, a torn tail with it."""
-    read = CODEC.read(path)
+    try:
+        read = CODEC.read(path)
+    except (ValueError, TypeError, IndexError, EOFError) as exc:  # whole frames another version wrote
+        remove_file(path)
+        return Resumable(None, f"cannot be read ({type(exc).__name__}: {exc})")
     if not read.records:
         remove_file(path)
         return Resumable(None)

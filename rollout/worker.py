@@ -20,10 +20,10 @@ A sample its group's deadline cuts (rollout.deadline) ends with `deadline`, unsc
 A failing reward function fails its trajectory only (reward.loop). The worker itself
 never fails because of a trajectory. A thin Ray actor hosts it.
 
-With `durable_dir`, every trajectory of a durable loop (rollout.durable) is journaled turn
-by turn in that folder on this node; a sample whose journal is there when it starts (the
-run was stopped or killed and resumed with the same group ids) continues from its last
-turn boundary. A group's journals are removed when the group is returned.
+With `durable` (a DurableSetup), every trajectory of a durable loop (rollout.durable) is
+journaled turn by turn in its folder on this node; a sample whose journal is there when it
+starts (the run was stopped or killed and resumed with the same group ids) continues from
+its last turn boundary. A group's journals are removed when the group is returned.
 """
 
 from __future__ import annotations

@@ -143,6 +143,19 @@ def test_a_sandboxed_journal_continues_from_its_newest_saved_state(tmp_path):
     assert len(CODEC.read(path).records) == 6
 
 
+def test_a_journal_another_version_wrote_starts_over(tmp_path):
+    """Whole, CRC-checked frames of a record layout this version does not know."""
+    import marshal
+    import struct
+    import zlib
+
+    path = str(tmp_path / "0.journal")
+    payload = marshal.dumps((2, ("echo {}",), ("hi",)))  # a ToolsRan of fewer fields
+    append_frame(path, struct.pack("<HII", 0x534A, len(payload), zlib.crc32(payload)) + payload)
+    found = open_replay(path, "r", "t", "g", 0, LOOP, max_version=0)
+    assert found.replay is None and "cannot be read" in found.reason and not os.path.exists(path)
+
+
 def test_a_torn_last_record_is_cut_off_and_the_journal_goes_on(tmp_path):
     path = str(tmp_path / "0.journal")
     begun = TrajectoryBegun("r", "t", "g", 0, LOOP, np.array([1, 2, 3], np.int32), False)
