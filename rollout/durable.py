@@ -197,13 +197,12 @@ class DurableTrajectory:
     state_bytes: int = 0
     state_s: float = 0.0  # spent saving them
     last_state: str = ""  # the newest state file the journal names
+    write_s: float = 0.0  # spent encoding and writing records
 
     def __post_init__(self) -> None:
         if self.replay is not None:  # states continue after the replayed ones
             self.last_state = self.replay.state
             self.num_states = sum(1 for r in self.replay.records if isinstance(r, ToolsRan) and r.state)
-
-    write_s: float = 0.0  # spent encoding and writing records
 
     def _append(self, record: TrajectoryRecord) -> None:
         start = time.perf_counter()
@@ -322,8 +321,9 @@ class Resumable:
 def open_replay(path: str, run_id: str, task_id: str, group_id: str, index: int, loop: str,
                 max_version: int) -> Resumable:
     """The replay of the journal at `path` for this trajectory; when there is none, or it
-    cannot be replayed (another run, task or loop, a sandbox), the file is removed so the
-    trajectory's fresh journal starts empty. The replay stops before the first generation
+    cannot be replayed (unreadable, another run, task or loop), the file is removed so the
+    trajectory's fresh journal starts empty. A sandboxed trajectory's replay ends at the
+    first tools after its newest saved state (those run again, live). The replay stops before the first generation
     of a version over `max_version` (weights the restart no longer has: the run resumed
     from an earlier checkpoint) and the file is cut there, a torn tail with it."""
     try:
