@@ -155,7 +155,7 @@ class AgentContext:
         rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
         if self.durable is not None:
             o = turn.output
-            self.durable.record_generation(TurnGenerated(
+            await self.durable.record_generation(TurnGenerated(
                 num_context_ids, o.token_ids, o.logprobs, o.versions, o.finish_reason, o.num_prompt_tokens,
                 o.cached_prompt_tokens, o.cache_salted, turn.queue_s, turn.generate_s, turn.engine, started_at))
         return turn.output

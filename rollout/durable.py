@@ -32,6 +32,7 @@ but what the trajectory itself holds, so its size is that of the trajectory's id
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -198,6 +199,7 @@ class DurableTrajectory:
     state_s: float = 0.0  # spent saving them
     last_state: str = ""  # the newest state file the journal names
     write_s: float = 0.0  # spent encoding and writing records
+    _pending: "asyncio.Future[None] | None" = None  # a state being saved, then its record
 
     def __post_init__(self) -> None:
         if self.replay is not None:  # states continue after the replayed ones
@@ -224,15 +226,39 @@ class DurableTrajectory:
         """The journal's generation for this call while the replay lasts, else None."""
         return self.replay.next_generation(num_context_ids) if self.replay is not None else None
 
-    def record_generation(self, record: TurnGenerated) -> None:
+    async def record_generation(self, record: TurnGenerated) -> None:
+        await self.settle()  # the tools before it are recorded first
         self._append(record)
 
     def take_tools(self, calls: tuple[str, ...]) -> ToolsRan | None:
         return self.replay.next_tools(calls) if self.replay is not None else None
 
     async def record_tools(self, record: ToolsRan, env: "StatefulEnv") -> None:
-        """Journal the tools' outcome with the sandbox's state after them (kept beside the
-        journal; the one before it is deleted once the record is written)."""
+        """Journal the tools' outcome. With a sandbox, its state is saved first, in the
+        background: a snapshot of a repository-sized workspace takes most of a second
+        (tests/bench/bench_durable.py), which the next generation hides. The record is
+        written when the save is done, and before the next generation's (`settle`)."""
+        await self.settle()
+        if not self.has_sandbox:
+            self._append(dataclasses.replace(record, state=""))
+            return
+        self._pending = asyncio.ensure_future(self._save_then_record(record, env))
+
+    async def settle(self) -> None:
+        """Wait for a background save and its record: before the next record, and before
+        the sandbox is released at the trajectory's end."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            await pending
+
+    def abandon(self) -> None:
+        """The trajectory was stopped: a save in progress is dropped (its record is not
+        written, so a replay ends before those tools, which run again)."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+    async def _save_then_record(self, record: ToolsRan, env: "StatefulEnv") -> None:
         state = ""
         if self.has_sandbox:
             self.num_states += 1

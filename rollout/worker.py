@@ -159,6 +159,8 @@ class AgentLoopWorker:
                 trajectory = await asyncio.wait_for(self.loop_for(task).run(task, ctx),
                                                     self.trajectory_timeout_s)
                 _check_result(trajectory, ctx)
+                if ctx.durable is not None:  # its last tools' record, before the sandbox goes back
+                    await ctx.durable.settle()
             except BudgetExhausted as exc:  # the loop asked for a turn the budgets have no room for
                 trajectory = self._salvage(ctx, exc.reason, str(exc))
             except ReplayDiverged as exc:  # started over below, once the environment is released
@@ -174,6 +176,8 @@ class AgentLoopWorker:
                 detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
                 trajectory = self._salvage(ctx, TerminationReason.ERROR, detail)
             finally:
+                if ctx.durable is not None:  # stopped, failed or timed out: a save in progress is dropped
+                    ctx.durable.abandon()
                 self._num_running -= 1
                 self.router.release(ctx.session_id)
                 # Shielded: a cancellation (a deadline cut, a stop) arriving here still

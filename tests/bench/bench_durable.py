@@ -63,7 +63,7 @@ async def bench_journal(folder: str, turns: int, repeats: int, generated: int) -
         durable.begin("task", "g", 0, np.arange(2000, dtype=np.int32))
         start = time.perf_counter()
         for k in range(turns):
-            durable.record_generation(generation(generated, 2000 + k * (generated + 100)))
+            await durable.record_generation(generation(generated, 2000 + k * (generated + 100)))
             await durable.record_tools(ran(), NoSandbox())
         rounds.append((time.perf_counter() - start) / turns * 1e6)
     return statistics.median(rounds)
@@ -105,7 +105,7 @@ async def bench_replay(folder: str, repeats: int) -> float:
     durable.begin("task", "g", 0, prompt)
     contexts = [2000 + k * 356 for k in range(30)]
     for context in contexts:
-        durable.record_generation(generation(256, context))
+        await durable.record_generation(generation(256, context))
         await durable.record_tools(ran(), NoSandbox())
     times = []
     for _ in range(repeats):

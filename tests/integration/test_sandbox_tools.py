@@ -276,7 +276,7 @@ async def test_a_stopped_sandboxed_trajectory_continues_with_its_workspace(
     once the group is returned."""
     from transformers import AutoTokenizer
 
-    from rollout.durable import CODEC, DurableSetup, TurnGenerated, journal_file
+    from rollout.durable import CODEC, DurableSetup, ToolsRan, TurnGenerated, journal_file
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     script = [call("write_file", path="log.txt", content="one\n"),
@@ -288,9 +288,12 @@ async def test_a_stopped_sandboxed_trajectory_continues_with_its_workspace(
     engine = first.router._engines["e0"] = HoldingEngine(tokenizer, script, hold_at=3)
     run = asyncio.create_task(first.run_group(task, "g3", 1))
     await asyncio.wait_for(engine.held.wait(), 120)
+    path = journal_file(setup.folder, "g3", 0)
+    async with asyncio.timeout(60):  # the 3rd turn's workspace is saved while the 4th generates
+        while sum(isinstance(r, ToolsRan) for r in CODEC.read(path).records) < 3:
+            await asyncio.sleep(0.05)
     run.cancel()
     await asyncio.gather(run, return_exceptions=True)
-    path = journal_file(setup.folder, "g3", 0)
     before = [r for r in CODEC.read(path).records if isinstance(r, TurnGenerated)]
     assert len(before) == 3 and first.stats().durable.num_states == 3
 

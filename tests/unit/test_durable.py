@@ -168,3 +168,45 @@ def test_a_torn_last_record_is_cut_off_and_the_journal_goes_on(tmp_path):
     assert found.replay is not None and found.replay.records == [ran]
     assert os.path.getsize(path) == whole and not CODEC.read(path).torn
     assert ran.messages[0].content == "hi" and ran.messages[0].name == "echo"
+
+
+async def test_a_sandbox_state_is_saved_behind_the_next_generation_and_recorded_first(tmp_path):
+    """The save runs in the background (record_tools returns at once); the next generation's
+    record waits for it, so the journal keeps tools before generation; a stop drops a save
+    in progress and its record (the replay then runs those tools again)."""
+    class SlowEnv:
+        def __init__(self) -> None:
+            self.release = asyncio.Event()
+
+        async def save_state(self, path: str) -> int:
+            await self.release.wait()
+            open(path, "wb").write(b"tar")
+            return 3
+
+        async def restore_state(self, path: str) -> None:
+            return None
+
+    from rollout.durable import DurableTrajectory
+
+    path = str(tmp_path / "g" / "0.journal")
+    durable = DurableTrajectory(path, "r", LOOP, has_sandbox=True)
+    durable.begin("t", "g", 0, np.array([1, 2], np.int32))
+    env = SlowEnv()
+    ran = ToolsRan(("python {}",), ("ok",), ("python",), 1, 0, 0, False, 0.1, ("python",), ())
+    gen = TurnGenerated(5, np.array([7], np.int32), np.array([-0.1], np.float32), np.array([0], np.int32),
+                        "stop", 5, 0, False, 0.0, 0.0, "e0", 0.0)
+    await asyncio.wait_for(durable.record_tools(ran, env), 1)  # does not wait for the save
+    recording = asyncio.create_task(durable.record_generation(gen))
+    await asyncio.sleep(0.05)
+    assert not recording.done() and len(CODEC.read(path).records) == 1
+    env.release.set()
+    await recording
+    kinds = [type(r).__name__ for r in CODEC.read(path).records]
+    assert kinds == ["TrajectoryBegun", "ToolsRan", "TurnGenerated"]
+    assert CODEC.read(path).records[1].state == "0.journal.state1"
+
+    env.release.clear()
+    await durable.record_tools(ran, env)
+    durable.abandon()  # stopped while saving
+    await asyncio.sleep(0.05)
+    assert len(CODEC.read(path).records) == 3 and durable.last_state == "0.journal.state1"
