@@ -154,10 +154,8 @@ class AgentContext:
             self.session_id, f"{self.session_id}#{self._num_requests}", rec.context_ids, sampling)
         rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
         if self.durable is not None:
-            o = turn.output
-            await self.durable.record_generation(TurnGenerated(
-                num_context_ids, o.token_ids, o.logprobs, o.versions, o.finish_reason, o.num_prompt_tokens,
-                o.cached_prompt_tokens, o.cache_salted, turn.queue_s, turn.generate_s, turn.engine, started_at))
+            await self.durable.record_generation(TurnGenerated.of(
+                turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at, num_context_ids=num_context_ids))
         return turn.output
 
     def text_of(self, out: TokenOutput) -> str:

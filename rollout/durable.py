@@ -46,8 +46,8 @@ from typing import Protocol
 import numpy as np
 
 from envs.types import Message
-from rollout.engine import FinishReason, TokenOutput
-from rollout.journal_file import JournalCodec, append_frame, remove_file, truncate_to
+from rollout.journal_file import (GENERATION_DTYPES, GenerationRecord, JournalCodec, append_frame, remove_file,
+                                 truncate_to)
 
 log = logging.getLogger(__name__)
 
@@ -87,26 +87,11 @@ class TrajectoryBegun:
 
 
 @dataclass(frozen=True, slots=True)
-class TurnGenerated:
-    """One generation as the recorder took it: the engine's TokenOutput field by field."""
+class TurnGenerated(GenerationRecord):
+    """One generation of the trajectory (GenerationRecord), and the context it was
+    generated on (checked on replay)."""
 
-    num_context_ids: int  # the context it was generated on (checked on replay)
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: FinishReason
-    num_prompt_tokens: int
-    cached_prompt_tokens: int
-    cache_salted: bool
-    queue_s: float
-    generate_s: float
-    engine: str
-    started_at: float
-
-    @property
-    def output(self) -> TokenOutput:
-        return TokenOutput(self.token_ids, self.logprobs, self.versions, self.finish_reason,
-                           self.num_prompt_tokens, self.cached_prompt_tokens, self.cache_salted)
+    num_context_ids: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +120,7 @@ class ToolsRan:
 TrajectoryRecord = TrajectoryBegun | TurnGenerated | ToolsRan
 CODEC: JournalCodec[TrajectoryRecord] = JournalCodec(
     (TrajectoryBegun, TurnGenerated, ToolsRan),
-    {"prompt_ids": np.int32, "token_ids": np.int32, "logprobs": np.float32, "versions": np.int32})
+    {"prompt_ids": np.int32, **GENERATION_DTYPES})
 
 
 @dataclass(slots=True)

@@ -27,11 +27,49 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from rollout.engine import FinishReason, TokenOutput
+
 # The magic fails on a zero-filled tail, which length 0 and CRC 0 of an empty payload would pass.
 _MAGIC = 0x534A  # "SJ"
 _HEADER = struct.Struct("<HII")
 
 R = TypeVar("R")
+G = TypeVar("G", bound="GenerationRecord")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRecord:
+    """One generation as a recorder took it, the part every journal's generation record
+    shares: the engine's TokenOutput field by field, its timings and engine (records add
+    where it belongs: a trajectory's context length, a gateway session's call)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    cached_prompt_tokens: int
+    cache_salted: bool
+    queue_s: float
+    generate_s: float
+    engine: str
+    started_at: float
+
+    @classmethod
+    def of(cls: type[G], output: TokenOutput, queue_s: float, generate_s: float, engine: str,
+           started_at: float, **where: Any) -> G:
+        o = output
+        return cls(o.token_ids, o.logprobs, o.versions, o.finish_reason, o.num_prompt_tokens,  # type: ignore[call-arg]
+                   o.cached_prompt_tokens, o.cache_salted, queue_s, generate_s, engine, started_at, **where)
+
+    @property
+    def output(self) -> TokenOutput:
+        return TokenOutput(self.token_ids, self.logprobs, self.versions, self.finish_reason,
+                           self.num_prompt_tokens, self.cached_prompt_tokens, self.cache_salted)
+
+
+# The array fields of GenerationRecord and their dtypes (what the recorder holds).
+GENERATION_DTYPES = {"token_ids": np.int32, "logprobs": np.float32, "versions": np.int32}
 
 
 class JournalCodec(Generic[R]):

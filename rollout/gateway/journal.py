@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from envs.types import TerminationReason, Trajectory, Turn
-from rollout.engine import FinishReason, TokenOutput
-from rollout.journal_file import JournalCodec, JournalRead, append_frame, remove_file
+from rollout.engine import TokenOutput
+from rollout.journal_file import (GENERATION_DTYPES, GenerationRecord, JournalCodec, JournalRead, append_frame,
+                                  remove_file)
 from rollout.recorder import Budgets, TrajectoryRecorder
 
 # The ending of a segment the harness left by rewriting its history (the live gateway and
@@ -83,29 +84,13 @@ class CallDispatched:
 
 
 @dataclass(frozen=True, slots=True)
-class CallCompleted:
-    """What the live recorder appended for the call, after the reply was parsed: the
-    engine's TokenOutput field by field, the turn's timings, engine and parse status."""
+class CallCompleted(GenerationRecord):
+    """What the live recorder appended for the call, after the reply was parsed
+    (GenerationRecord), with the turn's parse status."""
 
     segment: int
     call: int
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: FinishReason
-    num_prompt_tokens: int
-    cached_prompt_tokens: int
-    cache_salted: bool
-    queue_s: float
-    generate_s: float
-    engine: str
-    started_at: float
     tool_parse_status: str
-
-    @property
-    def output(self) -> TokenOutput:
-        return TokenOutput(self.token_ids, self.logprobs, self.versions, self.finish_reason,
-                           self.num_prompt_tokens, self.cached_prompt_tokens, self.cache_salted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +104,7 @@ class CallFailed:
 JournalRecord = SessionOpened | SegmentStarted | ObservationAdded | CallDispatched | CallCompleted | CallFailed
 CODEC: JournalCodec[JournalRecord] = JournalCodec(
     (SessionOpened, SegmentStarted, ObservationAdded, CallDispatched, CallCompleted, CallFailed),
-    {"prompt_ids": np.int32, "ids": np.int32, "token_ids": np.int32, "logprobs": np.float32, "versions": np.int32})
+    {"prompt_ids": np.int32, "ids": np.int32, **GENERATION_DTYPES})
 
 
 def read_journal(path: str) -> JournalRead[JournalRecord]:
@@ -155,10 +140,8 @@ class SessionJournal:
 
     def completed(self, call: int, output: TokenOutput, turn: Turn) -> None:
         """`turn`: the recorder's turn for `output` (its timings, engine and parse status)."""
-        o = output
-        self.append(CallCompleted(self.segment, call, o.token_ids, o.logprobs, o.versions, o.finish_reason,
-                                  o.num_prompt_tokens, o.cached_prompt_tokens, o.cache_salted, turn.queue_s,
-                                  turn.generate_s, turn.engine, turn.started_at, turn.tool_parse_status))
+        self.append(CallCompleted.of(output, turn.queue_s, turn.generate_s, turn.engine, turn.started_at,
+                                     segment=self.segment, call=call, tool_parse_status=turn.tool_parse_status))
 
     def failed(self, call: int) -> None:
         self.append(CallFailed(self.segment, call))

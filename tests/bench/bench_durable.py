@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from sandbox_bench_inputs import make_source_tree, percentile
 
+from rollout.engine import TokenOutput
 from rollout.durable import DurableTrajectory, ToolsRan, TurnGenerated, open_replay
 
 LOOP = "bench:Loop"
@@ -37,8 +38,9 @@ OBSERVATION = "stdout:\n" + "x" * 400  # a tool's output of about 100 tokens
 
 
 def generation(n: int, context: int) -> TurnGenerated:
-    return TurnGenerated(context, np.arange(n, dtype=np.int32), np.full(n, -0.1, np.float32),
-                         np.full(n, 3, np.int32), "stop", context, context // 2, False, 0.01, 0.2, "engine-0", 0.0)
+    out = TokenOutput(np.arange(n, dtype=np.int32), np.full(n, -0.1, np.float32), np.full(n, 3, np.int32),
+                      "stop", context, context // 2)
+    return TurnGenerated.of(out, 0.01, 0.2, "engine-0", 0.0, num_context_ids=context)
 
 
 def ran() -> ToolsRan:

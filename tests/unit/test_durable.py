@@ -18,8 +18,15 @@ from rollout.durable import (CODEC, DurableSetup, ToolsRan, TrajectoryBegun, Tur
                              open_replay)
 from rollout.journal_file import append_frame
 from envs.types import Task, TerminationReason
+from rollout.engine import TokenOutput
 
 LOOP = "rollout.agent_loop:ToolAgentLoop"
+
+
+def one_generation(token: int, version: int, context: int) -> TurnGenerated:
+    out = TokenOutput(np.array([token], np.int32), np.array([-0.1], np.float32), np.array([version], np.int32),
+                      "stop", context, 0)
+    return TurnGenerated.of(out, 0.0, 0.0, "e0", 0.0, num_context_ids=context)
 SCRIPT = [call("calculator", expression=f"{k}+1") for k in range(5)] + ["The answer is 5."]
 
 
@@ -85,8 +92,7 @@ async def test_generations_of_weights_the_resume_does_not_have_are_generated_aga
     first, engine = durable_worker(tokenizer, tmp_path, delay_s=0.05)
     await stopped_after(first, engine, 2)
     path = journal_file(str(tmp_path), "g7", 0)
-    late = TurnGenerated(0, np.array([5], np.int32), np.array([-0.1], np.float32), np.array([1], np.int32),
-                         "stop", 1, 0, False, 0.0, 0.0, "e0", 0.0)
+    late = one_generation(token=5, version=1, context=0)
     records = CODEC.read(path).records
     first_gen = next(r for r in records if isinstance(r, TurnGenerated))
     append_frame(path, CODEC.encode(late))
@@ -127,8 +133,7 @@ def test_a_sandboxed_journal_continues_from_its_newest_saved_state(tmp_path):
     kept: the replay restores that one and goes up to the next tools, which run again."""
     path = journal_file(str(tmp_path), "g8", 0)
     os.makedirs(os.path.dirname(path))
-    gen = TurnGenerated(2, np.array([5], np.int32), np.array([-0.1], np.float32), np.array([0], np.int32),
-                        "stop", 2, 0, False, 0.0, 0.0, "e0", 0.0)
+    gen = one_generation(token=5, version=0, context=2)
     ran = ToolsRan(("bash {}",), ("ok",), ("bash",), 1, 0, 0, False, 0.1, ("bash",), ())
     records = [TrajectoryBegun("run-a", TASK.id, "g8", 0, LOOP, np.array([1, 2], np.int32), True),
                gen, dataclasses.replace(ran, state="0.journal.state1"),  # deleted once state2 was saved
@@ -193,8 +198,7 @@ async def test_a_sandbox_state_is_saved_behind_the_next_generation_and_recorded_
     durable.begin("t", "g", 0, np.array([1, 2], np.int32))
     env = SlowEnv()
     ran = ToolsRan(("python {}",), ("ok",), ("python",), 1, 0, 0, False, 0.1, ("python",), ())
-    gen = TurnGenerated(5, np.array([7], np.int32), np.array([-0.1], np.float32), np.array([0], np.int32),
-                        "stop", 5, 0, False, 0.0, 0.0, "e0", 0.0)
+    gen = one_generation(token=7, version=0, context=5)
     await asyncio.wait_for(durable.record_tools(ran, env), 1)  # does not wait for the save
     recording = asyncio.create_task(durable.record_generation(gen))
     await asyncio.sleep(0.05)

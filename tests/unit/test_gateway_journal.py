@@ -108,9 +108,8 @@ def test_a_torn_or_corrupt_last_record_is_ignored(tmp_path):
 
 
 def completed(segment: int, call: int, ids, version: int) -> CallCompleted:
-    o = output(ids, version)
-    return CallCompleted(segment, call, o.token_ids, o.logprobs, o.versions, o.finish_reason, o.num_prompt_tokens,
-                         o.cached_prompt_tokens, o.cache_salted, 0.0, 0.1, "e0", 0.0, "no_call")
+    return CallCompleted.of(output(ids, version), 0.0, 0.1, "e0", 0.0, segment=segment, call=call,
+                            tool_parse_status="no_call")
 
 
 def one_turn(prompt=(1, 2, 3)) -> list:
