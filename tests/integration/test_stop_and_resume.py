@@ -80,6 +80,26 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int,
     pytest.fail(f"no step {step} within {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
 
 
+def trained_turns(run_dir: Path, after_step: int) -> dict[str, list[tuple[int, float, int]]]:
+    """Per trajectory trained after `after_step`: (turn, start time, tokens) of its turns."""
+    out: dict[str, list[tuple[int, float, int]]] = {}
+    for e in read_rows(run_dir / "events.jsonl"):
+        if e.get("kind") == "turn" and e["step"] > after_step:
+            out.setdefault(e["traj"], []).append((e["turn"], e["t0"], e["tokens"]))
+    return out
+
+
+def wait_until_trained(proc: subprocess.Popen, run_dir: Path, after_step: int, trajs: set[str],
+                       timeout_s: float = STEP_TIMEOUT_S) -> None:
+    """Until one of `trajs` is trained after `after_step` (its turns on the timeline)."""
+    deadline = time.monotonic() + timeout_s
+    while not trajs & set(trained_turns(run_dir, after_step)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"none of {sorted(trajs)} trained after step {after_step}:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.5)
+
+
 def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not (run_dir / "checkpoints" / "latest").is_file():
@@ -184,8 +204,10 @@ def test_a_sigkilled_run_is_reaped_resumed_and_stopped_by_ctrl_c_leaving_nothing
     # on one Ctrl-C (SIGTERM takes the same path) with a checkpoint and the resume command.
     proc = start(tmp_path, 200, "checkpoint.resume_from=latest")
     wait_for_step(proc, run_dir, killed_at + 1)
-    # ... and until the continued trajectories are back (counted when each one ends).
+    # ... and until a continued trajectory is trained (on the timeline after the resume),
+    # its replay counted: a continued group may come back steps after the first.
     wait_for_step(proc, run_dir, killed_at + 1, metric="durable/turns_replayed")
+    wait_until_trained(proc, run_dir, killed_at, set(journaled))
     pids, mounts = snapshot(proc, own_tmpdir)
     assert mounts
     os.kill(proc.pid, signal.SIGINT)
@@ -220,10 +242,7 @@ def test_a_sigkilled_run_is_reaped_resumed_and_stopped_by_ctrl_c_leaving_nothing
     resumed = [r for r in rows if r["step"] > killed_at]
     replayed = max(r.get("durable/turns_replayed", 0) for r in resumed)
     assert journaled and max(r.get("durable/continued", 0) for r in resumed) >= 1 and replayed >= 1
-    turns = [e for e in read_rows(run_dir / "events.jsonl") if e.get("kind") == "turn" and e["step"] > killed_at]
-    trained = {}
-    for e in turns:
-        trained.setdefault(e["traj"], []).append((e["turn"], e["t0"], e["tokens"]))
+    trained = trained_turns(run_dir, killed_at)
     continued = {traj: sorted(trained[traj]) for traj in journaled if traj in trained}
     assert continued, (sorted(journaled), sorted(trained))
     for traj, rows_of in continued.items():
