@@ -37,7 +37,7 @@ def changes_from_snapshot(snapshot: Snapshot, source_dir: str | None,
     if not os.path.isfile(snapshot.tar_path):
         raise ValueError(f"snapshot {snapshot.tar_path} does not exist (discarded?); take "
                          "the snapshot after the trajectory and before releasing it")
-    with tarfile.open(snapshot.tar_path, mode="r") as tar:
+    with tarfile.open(snapshot.tar_path, mode="r:") as tar:  # ours: never compressed
         return _compare(_tar_files(tar), source_dir, max_bytes)
 
 

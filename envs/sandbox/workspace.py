@@ -225,7 +225,7 @@ def restore(workspace: str, snap: Snapshot, max_bytes: int) -> None:
     write outside the workspace; a tar of a sandbox with a larger cap is refused."""
     if not os.path.isfile(snap.tar_path):
         raise ValueError(f"snapshot {snap.tar_path} does not exist (discarded?); take a new one")
-    with tarfile.open(snap.tar_path, mode="r") as tar:
+    with tarfile.open(snap.tar_path, mode="r:") as tar:  # ours: never compressed
         content = sum(m.size for m in tar.getmembers() if m.isfile())
         if content > max_bytes:
             raise _over_cap(f"snapshot {snap.tar_path}", content, max_bytes)
