@@ -64,6 +64,15 @@ class RolloutConfig:
     max_engine_imbalance: int = knob(64, "A sticky session moves off its engine when that "
                                      "engine runs this many requests more than the least "
                                      "loaded one (its prefix cache is lost).")
+    routing: Literal["sticky", "residency"] = knob(
+        "sticky", "How a turn picks its engine. sticky: a trajectory's first turn goes to the "
+        "least loaded engine and its later turns stay there. residency: each turn goes to the "
+        "engine that holds most of its prompt in its prefix cache (vLLM's KV cache events, "
+        "read on the load poll), less residency_load_penalty_tokens per request of extra load; "
+        "a group's samples follow their shared prompt; sticky where no engine holds a block.")
+    residency_load_penalty_tokens: int = knob(
+        256, "routing=residency: cached prompt tokens one request more of load on an engine is "
+        "worth (higher spreads turns more evenly, lower follows the cache more).")
     request_timeout_s: float = knob(600.0, "An engine that does not answer one generate call "
                                     "within this is treated as dead.")
     durable_trajectories: bool = knob(True, "Journal every in-flight trajectory of a durable loop "

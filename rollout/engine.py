@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from envs.owner import owner_tag
+from rollout.kv_residency import KvEventLog, KvResidencyDelta
 from rollout.worker_reply import fold_checksums, fold_replies
 
 if TYPE_CHECKING:
@@ -97,6 +99,9 @@ class EngineSpec:
     # Model-config overrides (vLLM's hf_overrides): the recipe's RoPE scaling
     # (rollout.rope.build_rope_overrides), the same the trainer's model gets.
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # Publish vLLM's KV cache events and keep them as block keys for the routers
+    # (rollout.routing=residency, rollout.kv_residency).
+    kv_events: bool = False
 
     @classmethod
     def from_config(cls, cfg: "RolloutRecipe", model_path: str, *,
@@ -118,6 +123,7 @@ class EngineSpec:
                    enable_prefix_caching=cfg.rollout.enable_prefix_caching,
                    enforce_eager=cfg.rollout.enforce_eager, seed=cfg.train.seed,
                    kv_after_push=cfg.rollout.kv_after_push, hf_overrides=overrides,
+                   kv_events=policy and cfg.rollout.routing == "residency",
                    **(kv_offload_fields(cfg.rollout.kv_offload) if policy else {}))
 
 
@@ -189,14 +195,18 @@ def new_ipc_dir() -> str:
     return tempfile.mkdtemp(prefix=f"sluice-vllm-ipc-{owner_tag()}-")
 
 
-def build_engine_args(spec: EngineSpec) -> Any:
+def build_engine_args(spec: EngineSpec, kv_events_endpoint: str | None = None) -> Any:
     """vLLM's AsyncEngineArgs for `spec` (`.create_engine_config()` runs vLLM's own checks
-    without starting anything). Imports vllm."""
+    without starting anything); with `spec.kv_events`, vLLM publishes its KV cache events
+    on `kv_events_endpoint` (ZeroMQ). Imports vllm."""
     from vllm import AsyncEngineArgs
+    from vllm.config import KVEventsConfig
 
     s = spec
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic=KV_EVENTS_TOPIC,
+                            endpoint=kv_events_endpoint or "ipc:///tmp/sluice-kv-events")
     return AsyncEngineArgs(
-        **kv_offload_args(s),
+        **kv_offload_args(s), kv_events_config=events if s.kv_events else None,
         model=s.model_path, dtype=s.dtype, max_model_len=s.max_model_len,
         tensor_parallel_size=s.tp_size,
         distributed_executor_backend=choose_executor_backend(s.tp_size),
@@ -209,6 +219,45 @@ def build_engine_args(spec: EngineSpec) -> Any:
         # temperature), which is what the trainer recomputes; vLLM's default reports
         # the raw logits' logprobs, wrong for any temperature != 1.
         logprobs_mode="processed_logprobs")
+
+
+KV_EVENTS_TOPIC = "kv"
+
+
+def read_kv_events(endpoint: str, log_to: KvEventLog, stop: threading.Event) -> None:
+    """Feed vLLM's KV cache events published on `endpoint` into `log_to` until `stop`
+    (a thread of the engine's process). A gap in vLLM's sequence (its publisher drops
+    batches past its high-water mark) is passed on: the routers' views are behind."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, KV_EVENTS_TOPIC.encode())
+    sock.setsockopt(zmq.RCVTIMEO, 200)  # ms: how soon `stop` is seen
+    sock.connect(endpoint)  # before vLLM binds it: ZeroMQ connects once it exists
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    last = None
+    try:
+        while not stop.is_set():
+            try:
+                _topic, seq_bytes, payload = sock.recv_multipart()
+            except zmq.Again:
+                continue
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            events: list[tuple] = []
+            for e in decoder.decode(payload).events:
+                if isinstance(e, BlockStored):
+                    events.append(("stored", e.parent_block_hash, e.block_hashes, e.token_ids,
+                                   e.block_size, e.extra_keys))
+                elif isinstance(e, BlockRemoved):
+                    events.append(("removed", e.block_hashes))
+                elif isinstance(e, AllBlocksCleared):
+                    events.append(("cleared",))
+            log_to.add_batch(events, gap=last is not None and seq != last + 1)
+            last = seq
+    finally:
+        sock.close(linger=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +312,9 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._reset_refused = 0
         self._ipc_dir: str | None = None  # the engine's sockets (new_ipc_dir)
+        self._kv_log = KvEventLog()  # stays empty unless spec.kv_events
+        self._kv_reader: threading.Thread | None = None
+        self._kv_stop = threading.Event()
 
     @property
     def version(self) -> int:
@@ -300,10 +352,16 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         start = time.monotonic()
         self._ipc_dir = new_ipc_dir()
+        endpoint = f"ipc://{self._ipc_dir}/kv-events"
+        if s.kv_events:
+            self._kv_reader = threading.Thread(target=read_kv_events, name="sluice-kv-events",
+                                               args=(endpoint, self._kv_log, self._kv_stop), daemon=True)
+            self._kv_reader.start()
         try:
             with engine_core_env(s, self._ipc_dir):
-                self._llm = AsyncLLM.from_engine_args(build_engine_args(s))
+                self._llm = AsyncLLM.from_engine_args(build_engine_args(s, endpoint))
         except BaseException:  # a failed or interrupted start leaves no socket folder behind
+            self._stop_kv_reader()
             self._remove_ipc_dir()
             raise
         log.info("engine %s (tp=%d, %s executor) started in %.1fs", s.model_path, s.tp_size,
@@ -313,7 +371,23 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._stop_kv_reader()
         self._remove_ipc_dir()
+
+    def _stop_kv_reader(self) -> None:
+        if self._kv_reader is not None:
+            self._kv_stop.set()
+            self._kv_reader.join(timeout=2.0)
+            self._kv_reader = None
+
+    def _cache_salt(self) -> str | None:
+        """The cache salt of requests sent now: the weight version under recompute."""
+        return f"sluice-v{self._version}" if self.spec.kv_after_push == "recompute" else None
+
+    async def kv_residency(self, since: int) -> KvResidencyDelta:
+        """The blocks this engine stored and removed after event batch `since`, as keys
+        (rollout.kv_residency); empty unless spec.kv_events."""
+        return self._kv_log.since(since, self._cache_salt())
 
     def _remove_ipc_dir(self) -> None:
         if self._ipc_dir is not None:
@@ -331,9 +405,10 @@ class VLLMEngine:
             stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)
         prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
-        if self.spec.kv_after_push == "recompute":
+        salt = self._cache_salt()
+        if salt is not None:
             # Salted block hashes: KV computed under another weight version is never hit.
-            prompt["cache_salt"] = f"sluice-v{self._version}"
+            prompt["cache_salt"] = salt
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -449,19 +524,34 @@ class VLLMEngine:
 
     def stats(self) -> EngineStats:
         """Read vLLM's Prometheus metrics (process-wide: one engine per process)."""
-        from vllm.v1.metrics.reader import get_metrics_snapshot
-
-        values: dict[str, float] = {}
-        for metric in get_metrics_snapshot():
-            if hasattr(metric, "value"):
-                values[metric.name] = values.get(metric.name, 0) + metric.value
+        values = read_vllm_samples()
         return EngineStats(version=self._version, num_in_flight=len(self._in_flight),
                            num_running=int(values.get("vllm:num_requests_running", 0)),
                            num_waiting=int(values.get("vllm:num_requests_waiting", 0)),
                            kv_cache_usage=float(values.get("vllm:kv_cache_usage_perc", 0.0)),
-                           prefix_cache_queries=int(values.get("vllm:prefix_cache_queries", 0)),
-                           prefix_cache_hits=int(values.get("vllm:prefix_cache_hits", 0)),
+                           prefix_cache_queries=int(values.get("vllm:prefix_cache_queries_total", 0)),
+                           prefix_cache_hits=int(values.get("vllm:prefix_cache_hits_total", 0)),
                            paused=self._paused, prefix_reset_refused=self._reset_refused)
+
+
+# The samples `VLLMEngine.stats` reads: gauges, and counters by their _total sample.
+STAT_SAMPLES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+
+
+def read_vllm_samples() -> dict[str, float]:
+    """`STAT_SAMPLES` from this process's Prometheus registry, summed over their labels.
+    Only their collectors run: collecting the whole registry (vLLM's get_metrics_snapshot,
+    every histogram included) was a quarter of an engine actor's busy time in a
+    quickstart-sized run, where every router polls every engine twice a second."""
+    from prometheus_client import REGISTRY
+
+    values: dict[str, float] = {}
+    for metric in REGISTRY.restricted_registry(STAT_SAMPLES).collect():
+        for sample in metric.samples:
+            if sample.name in STAT_SAMPLES:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
 
 
 def _finish_reason(reason: str | None) -> FinishReason:

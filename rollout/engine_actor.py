@@ -11,6 +11,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout.engine import EngineSpec, EngineStats, Sampling, TokenOutput, VLLMEngine
+from rollout.kv_residency import KvResidencyDelta
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -58,6 +59,9 @@ class EngineActor:
 
     async def get_stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def kv_residency(self, since: int) -> KvResidencyDelta:
+        return await self.engine.kv_residency(since)
 
 
 class RayEngineClient:
@@ -107,6 +111,9 @@ class RayEngineClient:
 
     async def get_stats(self) -> EngineStats:
         return await self.handle.get_stats.remote()
+
+    async def kv_residency(self, since: int) -> KvResidencyDelta:
+        return await self.handle.kv_residency.remote(since)
 
 
 async def start_engines(spec: EngineSpec, num_engines: int,

@@ -53,7 +53,8 @@ from rollout.gate import TurnGate
 from rollout.recorder import BudgetExhausted
 from rollout.gateway.server import GatewayStats, sum_gateway_stats
 from rollout.gateway.loop import GatewayAgentLoop
-from rollout.router import Router
+from rollout.kv_residency import ResidencyView
+from rollout.router import Router, RouterStats
 
 if TYPE_CHECKING:
     from envs.pool import SandboxProvider
@@ -78,6 +79,7 @@ class WorkerStats:
     # when a loop split samples into segments)
     gateway: GatewayStats | None = None  # this worker's gateway, if a loop serves one
     durable: DurableStats | None = None  # with durable_dir: the trajectory journals
+    router: RouterStats | None = None  # this worker's router (residency counters, moves)
 
 
 class AgentLoopWorker:
@@ -259,7 +261,8 @@ class AgentLoopWorker:
                            self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s,
                            self.watchdog.num_stalls, self._num_segments,
                            sum_gateway_stats(gateways) if gateways else None,
-                           self._durable if self.durable is not None else None)
+                           self._durable if self.durable is not None else None,
+                           self.router.stats())
 
 
 def join_segments(earlier: Sequence[Trajectory], last: Trajectory, ctx: AgentContext) -> list[Trajectory]:
@@ -315,7 +318,9 @@ def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[s
     router = Router(dict(engines), max_sessions=cfg.rollout.num_router_sessions,
                     request_timeout_s=cfg.rollout.request_timeout_s,
                     load_poll_s=cfg.rollout.load_poll_s,
-                    max_imbalance=cfg.rollout.max_engine_imbalance)
+                    max_imbalance=cfg.rollout.max_engine_imbalance,
+                    residency=ResidencyView() if cfg.rollout.routing == "residency" else None,
+                    load_penalty_tokens=cfg.rollout.residency_load_penalty_tokens)
     return AgentLoopWorker(default_loop=cfg.agent.loop, settings=LoopSettings.from_config(cfg),
                            chat=chat, tokenizer=tokenizer, router=router, envs=envs,
                            rewards=rewards, trajectory_timeout_s=cfg.agent.trajectory_timeout_s,

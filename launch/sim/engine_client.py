@@ -20,6 +20,7 @@ import numpy as np
 
 from launch.sim.engine_model import EngineModel, SimRequest
 from rollout.engine import EngineStats, FinishReason, Sampling, TokenOutput
+from rollout.kv_residency import KvResidencyDelta
 
 BEHAVIOUR_LOGPROB = -0.7  # any finite value <= 0: the simulated policy's tokens
 CLOCK_RESOLUTION_S = 1e-6
@@ -161,3 +162,9 @@ class SimEngine:
                            prefix_cache_queries=s.prefix_cache_queries,
                            prefix_cache_hits=s.prefix_cache_hits, paused=self.paused,
                            prefix_reset_refused=self.num_failed_resets)
+
+    async def kv_residency(self, since: int) -> KvResidencyDelta:
+        """No KV events: the engine model does not publish blocks, so a residency router
+        over simulated engines routes as the sticky one (not modelled yet)."""
+        return KvResidencyDelta(seq=since, block_size=0, salt=None, stored=(), removed=(),
+                                cleared=False, lost=False)

@@ -22,7 +22,7 @@ from rollout.engine import EngineSpec, VLLMEngine
 
 async def _tiny_engine(tiny_model_path, max_model_len: int):
     eng = VLLMEngine(EngineSpec(model_path=str(tiny_model_path), max_model_len=max_model_len,
-                                kv_cache_memory_bytes=64 << 20, enforce_eager=True))
+                                kv_cache_memory_bytes=64 << 20, enforce_eager=True, kv_events=True))
     await eng.start()
     return eng
 

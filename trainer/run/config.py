@@ -217,6 +217,11 @@ def check_config(cfg: SluiceConfig) -> None:
              "is required with tier=disk (a folder on each engine's node)")
     _require(o.tier != "disk" or o.disk_gb_per_engine > 0, "rollout.kv_offload.disk_gb_per_engine",
              "must be > 0 with tier=disk")
+    _require(r.routing != "residency" or r.load_poll_s > 0, "rollout.routing",
+             "residency reads the engines' KV cache events on the load poll: set "
+             "rollout.load_poll_s > 0 (0.5 by default), or routing=sticky")
+    _require(r.residency_load_penalty_tokens >= 0, "rollout.residency_load_penalty_tokens",
+             "must be >= 0")
     b = cfg.buffer
     _require(b.group_deadline_s >= 0, "buffer.group_deadline_s", "must be >= 0 seconds (0: none)")
     _require(b.straggler_policy == "wait" or b.group_deadline_s > 0, "buffer.straggler_policy",

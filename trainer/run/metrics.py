@@ -308,6 +308,12 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
     durable = [w.durable for w in workers if w.durable is not None]
     if durable:  # trajectory journals (rollout.durable), totals over the workers
         out.update(sum_durable_stats(durable).as_metrics())
+    routers = [w.router for w in workers if w.router is not None and w.router.num_routed]
+    if routers:  # rollout.routing=residency: what the routers' KV views decided (cumulative)
+        out.update({"rollout/kv_routed_by_residency": float(sum(r.num_routed for r in routers)),
+                    "rollout/kv_view_held_tokens": float(sum(r.view_held_tokens for r in routers)),
+                    "rollout/kv_residency_moves": float(sum(r.num_residency_moves for r in routers)),
+                    "rollout/kv_events_lost": float(sum(r.num_kv_events_lost for r in routers))})
     out.update({f"buffer/dropped_{k}": float(v) for k, v in buffer.dropped.items()})
     # Which groups go stale, by turns and by length: a bias against long trajectories
     # shows up here (cumulative counts).
