@@ -245,6 +245,7 @@ class Plan:
     sources: tuple[tuple[str, float, str], ...]  # (plan key, derived value, where from)
     kv_offload_tier: str = "none"  # rollout.kv_offload.tier
     kv_offload_gb_per_engine: float = 0.0  # rollout.kv_offload.gb_per_engine
+    max_staleness: int = 0  # buffer.max_staleness: async keeps up to eta + 1 steps in flight
 
 
 Sources = list[tuple[str, float, str]]  # (plan key, derived value, where it came from)
@@ -353,7 +354,8 @@ def build_plan(cfg: SluiceConfig, pc: PlanProfile | None = None) -> Plan:
                 dtype_bytes=dtype_bytes, tp_size=r.tp_size, hbm_bytes_per_s=pc.hbm_bytes_per_s,
                 recipe_sandboxes=e.num_sandbox_workers * e.sandboxes_per_worker,
                 sources=tuple(sources), kv_offload_tier=r.kv_offload.tier,
-                kv_offload_gb_per_engine=r.kv_offload.gb_per_engine)
+                kv_offload_gb_per_engine=r.kv_offload.gb_per_engine,
+                max_staleness=cfg.buffer.max_staleness)
 
 
 # --- printing --------------------------------------------------------------------------
@@ -425,18 +427,31 @@ def format_gpu(plan: Plan, a: PlanAccount) -> str:
     return "\n".join(rows)
 
 
+def compute_in_flight_trajectories(plan: Plan) -> int:
+    """Trajectories alive at once in an async run: the staleness bound admits eta + 1
+    steps' groups, and each holds a sandbox for its life, so the recipe's sandboxes cap
+    them too (the simulator at the seed's profile: 2.25 steps' worth, sandbox-bound)."""
+    p = plan.inputs
+    admitted = (plan.max_staleness + 1) * p.groups_per_step * p.group_size
+    return min(admitted, plan.recipe_sandboxes) if plan.recipe_sandboxes > 0 else admitted
+
+
 def compute_kv_tier_gb_per_engine(plan: Plan, a: PlanAccount) -> float:
     """The offload tier each engine needs (rollout.kv_offload.gb_per_engine) for every
-    trajectory's KV to stay somewhere: KV needed minus the pools, over the engines."""
+    trajectory's KV to stay somewhere: the KV of the trajectories in flight at their final
+    context (one step's in the seed's account, more under async), minus the pools, over
+    the engines."""
     engines = max(1, plan.inputs.rollout_gpus // plan.tp_size)
-    return max(0.0, a.kv_need_bytes - a.kv_pool_bytes) / engines / 1e9
+    in_flight = compute_in_flight_trajectories(plan) * a.final_context_tokens * plan.inputs.kv_bytes_per_token
+    return max(0.0, max(a.kv_need_bytes, in_flight) - a.kv_pool_bytes) / engines / 1e9
 
 
 def format_kv_tier(plan: Plan, a: PlanAccount) -> str:
     need = _scaled(compute_kv_tier_gb_per_engine(plan, a) * 1e9, "B")
     configured = ("none configured (rollout.kv_offload)" if plan.kv_offload_tier == "none" else
                   f"configured: {plan.kv_offload_tier}, {plan.kv_offload_gb_per_engine:g} GB per engine")
-    return f"{need} per engine needed (KV need - pool, per engine); {configured}"
+    return (f"{need} per engine needed (KV of the {compute_in_flight_trajectories(plan):,} trajectories "
+            f"in flight - pool, per engine); {configured}")
 
 
 def format_ratios(plan: Plan, a: PlanAccount) -> str:

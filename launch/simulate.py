@@ -71,6 +71,7 @@ class SimReport:
     staleness_mean: float
     staleness_max: int
     prefix_cache_hit_rate: float  # hit tokens / prompt tokens, as vLLM counts them
+    tier_hit_rate: float  # of the prompt tokens, those loaded from the offload tier
     prefill_s_per_step: float  # per engine, as the planner's prefill_*_s
     decode_s_per_step: float
     sandboxes_peak: int
@@ -132,7 +133,7 @@ async def simulate(cfg: SluiceConfig, profile: PlanProfile, opts: SimOptions,
     loop = asyncio.get_running_loop()
     world = SimWorld(opts.token_unit)
     spec = build_engine_spec(plan, max_num_seqs=cfg.rollout.max_num_seqs)
-    engines = {f"engine{i}": SimEngine(EngineModel(spec), world)
+    engines = {f"engine{i}": SimEngine(EngineModel(spec), world, cfg.rollout.kv_after_push)
                for i in range(cfg.rollout.num_engines)}
     pool = SandboxPoolModel(cfg.envs.num_sandbox_workers * cfg.envs.sandboxes_per_worker,
                             restore_s=opts.restore_s)
@@ -199,6 +200,7 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, rows
         staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
         staleness_max=max(staleness, default=0),
         prefix_cache_hit_rate=sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
+        tier_hit_rate=sum(s.tier_hits for s in stats) / queries if queries else 0.0,
         prefill_s_per_step=sum(s.prefill_busy_s for s in stats) / len(stats) / n,
         decode_s_per_step=sum(s.decode_busy_s for s in stats) / len(stats) / n,
         sandboxes_peak=pool_stats.peak_in_use, sandboxes_mean=pool_stats.mean_in_use,
@@ -246,6 +248,9 @@ def format_report(cfg: SluiceConfig, profile: PlanProfile, r: SimReport) -> str:
              f"{a.prefill_expected_s:,.0f} ({a.prefill_cached_s:,.0f}-{a.prefill_uncached_s:,.0f})"),
             ("prefix-cache hit rate / KV resident", f"{r.prefix_cache_hit_rate:.1%}",
              f"{a.kv_resident_fraction:.1%}"),
+            ("  of which from the offload tier", f"{r.tier_hit_rate:.1%}",
+             f"tier {plan.kv_offload_gb_per_engine:g} GB/engine" if plan.kv_offload_tier != "none"
+             else "no tier"),
             ("sandboxes mean / peak", f"{r.sandboxes_mean:,.0f} / {r.sandboxes_peak:,}",
              f"{a.sandboxes_stateful:,.0f} stateful / {a.sandboxes_releasable:,.0f} releasable"),
             ("sandbox nodes at the peak", f"{compute_sandbox_nodes(r.sandboxes_peak, plan.node):,}",

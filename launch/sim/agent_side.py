@@ -240,7 +240,7 @@ def build_agent_rollout(cfg: SluiceConfig, plan: Plan, spec: EngineSpec, sandbox
     end_id = build_continuity_builder(tokenizer, "auto", tool_parser="none",
                                       reasoning_parser="none").end_of_turn_id
     script = ScriptedChat(tokenizer, end_id, turns, p.gen_tokens)
-    engines = {f"engine{i}": SimEngine(EngineModel(spec), script)
+    engines = {f"engine{i}": SimEngine(EngineModel(spec), script, cfg.rollout.kv_after_push)
                for i in range(cfg.rollout.num_engines)}
     worker = build_agent_worker(sim_cfg, model_path, engines, sandbox_provider=provider)
     return AgentRollout(worker, engines, script), build_agent_tasks(cfg.train.groups_per_step * 4)

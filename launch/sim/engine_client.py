@@ -65,9 +65,11 @@ class SimWorld:
 class SimEngine:
     """An `EngineClient` whose generate calls are timed by an `EngineModel`."""
 
-    def __init__(self, model: EngineModel, world: EngineScript) -> None:
+    def __init__(self, model: EngineModel, world: EngineScript,
+                 kv_after_push: str = "recompute") -> None:
         self.model = model
         self.world = world
+        self.kv_after_push = kv_after_push  # rollout.kv_after_push
         self.version = 0
         self.paused = False
         self.num_failed_resets = 0  # prefix-cache resets refused (requests held blocks)
@@ -136,9 +138,12 @@ class SimEngine:
 
     async def update_weights(self, version: int, blob: bytes | None = None,
                              path: str | None = None) -> None:
-        """Adopt `version` and drop the prefix cache, as the real engines do after a push."""
+        """Adopt `version`; under recompute, requests from now on carry a new cache salt
+        (no older block is hit again, in the pool or the tier), as the real engines do;
+        under reuse the cached KV keeps serving."""
         self.version = version
-        await self.reset_prefix_cache()
+        if self.kv_after_push == "recompute":
+            self.model.new_salt()
 
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 backend: str, timeout_s: float) -> list[int]:

@@ -12,6 +12,15 @@ head), so the next turn of the same trajectory hits whatever of its prefix is st
 The first `shared_tokens` of a request (the task prompt that a group's G trajectories
 share) are cached under the task's key, so siblings hit them too.
 
+After a weight push under rollout.kv_after_push=recompute (`new_salt`), cached blocks are
+keyed by the salt (the version) they were computed under, as vLLM's cache_salt does: the
+older ones are never hit again and age out in LRU order. Under reuse they keep hitting.
+
+An offload tier (`tier_bytes`: rollout.kv_offload, a host-memory tier of vLLM's offload
+connectors) holds, write-through and LRU, the full blocks of every finished request: a
+prefix the pool evicted but the tier holds is loaded at `tier_bytes_per_s` instead of
+being prefilled (counted as hits, and as tier hits).
+
 Simplifications, and why they are small at the seed's scale:
 - prefill runs ahead of decode, one request at a time, with decode paused (vLLM mixes
   them in chunks; the busy time is the same, a waiting request sees its prefill later or
@@ -50,6 +59,8 @@ class EngineSpec:
     mfu_prefill: float = 0.5
     block_tokens: int = 16
     max_num_seqs: int = 256
+    tier_bytes: float = 0.0  # the engine's offload tier (0: none)
+    tier_bytes_per_s: float = 25e9  # loading from it (host memory over PCIe)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -62,6 +73,13 @@ class EngineSpec:
     @property
     def num_blocks(self) -> int:
         return int(self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_tokens))
+
+    @property
+    def num_tier_blocks(self) -> int:
+        return int(self.tier_bytes // (self.kv_bytes_per_token * self.block_tokens))
+
+    def tier_load_s(self, blocks: int) -> float:
+        return blocks * self.block_tokens * self.kv_bytes_per_token / self.tier_bytes_per_s
 
     def decode_step_s(self, running_context_tokens: float) -> float:
         """One decode step over sequences holding `running_context_tokens` of KV in all."""
@@ -115,6 +133,8 @@ class EngineModelStats:
     kv_cached_blocks: int
     kv_total_blocks: int
     evicted_blocks: int
+    tier_hits: int = 0  # of prefix_cache_hits, tokens loaded from the offload tier
+    tier_load_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -127,6 +147,8 @@ class _Seq:
     shared_blocks: int
     first_token_s: float = 0.0
     kv_base: int = 0  # KV tokens at global step k are kv_base + k while it runs
+    load_s: float = 0.0  # loading its tier hits, before its prefill
+    salt: int = 0  # the salt its blocks are cached under
 
 
 class EngineModel:
@@ -146,9 +168,14 @@ class EngineModel:
         self._done: list[Completion] = []
         # KV blocks: in use by admitted requests, or cached (evictable, LRU first).
         self._used = 0
-        self._cache: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, int], int] = OrderedDict()  # (kind, key, salt)
         self._cached_total = 0
-        self._shared_in_use: dict[str, list[int]] = {}  # task -> [blocks, references]
+        self._shared_in_use: dict[tuple[str, int], list[int]] = {}  # (task, salt) -> [blocks, references]
+        self._salt = 0
+        self._tier: OrderedDict[tuple[str, str, int], int] = OrderedDict()  # write-through, LRU
+        self._tier_total = 0
+        self._tier_hits = 0
+        self._tier_load_s = 0.0
         self._queries = self._hits = self._prefill_tokens = self._generated = 0
         self._prefill_busy_s = self._decode_busy_s = 0.0
         self._evicted = 0
@@ -181,6 +208,11 @@ class EngineModel:
             return self._clock + self._steps_s(self._steps_to_next_event())
         return None
 
+    def new_salt(self) -> None:
+        """Requests from now on carry a new cache salt (a push under recompute): no block
+        cached before is hit again, in the pool or the tier."""
+        self._salt += 1
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; like vLLM, refuse (False) while requests hold blocks."""
         if self._used or self._waiting:
@@ -197,7 +229,8 @@ class EngineModel:
             generated_tokens=self._generated, prefill_busy_s=self._prefill_busy_s,
             decode_busy_s=self._decode_busy_s, num_decode_steps=self._step,
             kv_used_blocks=self._used, kv_cached_blocks=self._cached_total,
-            kv_total_blocks=self.spec.num_blocks, evicted_blocks=self._evicted)
+            kv_total_blocks=self.spec.num_blocks, evicted_blocks=self._evicted,
+            tier_hits=self._tier_hits, tier_load_s=self._tier_load_s)
 
     # --- time ------------------------------------------------------------------------
 
@@ -270,7 +303,7 @@ class EngineModel:
         start = max(self._clock, seq.admitted_s)
         tokens = seq.request.context_tokens - seq.cached_tokens
         self._prefill_tokens += tokens
-        seconds = self.spec.prefill_s(tokens)
+        seconds = self.spec.prefill_s(tokens) + seq.load_s
         self._prefill_busy_s += seconds
         self._clock = start
         self._prefill_end = start + seconds
@@ -313,14 +346,22 @@ class EngineModel:
         total = math.ceil((r.context_tokens + r.new_tokens) / bs)
         shared = min(r.shared_tokens, r.context_tokens) // bs if r.shared_key else 0
         task = r.shared_key or ""
-        shared_key, own_key = ("task", task), ("traj", r.session)
-        in_use = shared > 0 and task in self._shared_in_use
+        salt = self._salt
+        shared_key, own_key = ("task", task, salt), ("traj", r.session, salt)
+        in_use = shared > 0 and (task, salt) in self._shared_in_use
         shared_cached = self._cache.get(shared_key, 0) if shared and not in_use else 0
         shared_hit = shared if in_use else min(shared_cached, shared)
         own_cached = self._cache.get(own_key, 0)
+        own_full = max(0, r.context_tokens // bs - shared)
+        # The tier holds what the pool evicted: the rest of the shared head, then the own
+        # blocks after the pool's (a prefix: loaded blocks continue the cached ones).
+        shared_loaded = min(self._tier.get(shared_key, 0), shared) - shared_hit \
+            if self._tier and shared_hit < shared else 0
+        shared_loaded = max(0, shared_loaded)
         # The own blocks continue the shared ones: without the whole shared head they miss.
-        own_hit = min(own_cached, max(0, r.context_tokens // bs - shared)) \
-            if shared_hit == shared else 0
+        head = shared_hit + shared_loaded == shared
+        own_hit = min(own_cached, own_full) if head and shared_loaded == 0 else 0
+        own_loaded = max(0, min(self._tier.get(own_key, 0), own_full) - own_hit) if head and self._tier else 0
         need = (total - shared) + (0 if in_use else shared)  # blocks this request adds to use
         # Cached blocks can always be evicted, so only blocks in use can stand in the way.
         if self._used + need > self.spec.num_blocks:
@@ -333,18 +374,27 @@ class EngineModel:
         self._evict(need - (self.spec.num_blocks - self._used - self._cached_total))
         self._used += need
         if in_use:
-            self._shared_in_use[task][1] += 1
+            self._shared_in_use[(task, salt)][1] += 1
         elif shared:
-            self._shared_in_use[task] = [shared, 1]
+            self._shared_in_use[(task, salt)] = [shared, 1]
         # vLLM computes at least the last token of the prompt, in whole blocks.
-        cached_tokens = min((shared_hit + own_hit) * bs, (r.context_tokens - 1) // bs * bs)
+        limit = (r.context_tokens - 1) // bs * bs
+        cached_tokens = min((shared_hit + own_hit + shared_loaded + own_loaded) * bs, limit)
+        loaded = max(0, cached_tokens - min((shared_hit + own_hit) * bs, limit)) // bs
+        for key in (shared_key, own_key):  # read: the most recent in the tier's LRU order
+            if key in self._tier:
+                self._tier.move_to_end(key)
         self._queries += r.context_tokens
         self._hits += cached_tokens
+        self._tier_hits += loaded * bs
+        load_s = self.spec.tier_load_s(loaded)
+        self._tier_load_s += load_s
         self._prefill_queue.append(_Seq(r, submitted_s, max(self._clock, submitted_s),
-                                        cached_tokens, total - shared, shared))
+                                        cached_tokens, total - shared, shared, load_s=load_s,
+                                        salt=salt))
         return True
 
-    def _take_from_cache(self, key: tuple[str, str]) -> None:
+    def _take_from_cache(self, key: tuple[str, str, int]) -> None:
         self._cached_total -= self._cache.pop(key, 0)
 
     def _evict(self, blocks: int) -> None:
@@ -365,29 +415,43 @@ class EngineModel:
         self._used -= seq.own_blocks
         # Only full blocks are cacheable; the own entry is evicted before the shared head.
         own_full = max(0, (r.context_tokens + r.new_tokens) // bs - seq.shared_blocks)
-        self._cache_blocks(("traj", r.session), own_full)
+        self._cache_blocks(("traj", r.session, seq.salt), own_full)
         if seq.shared_blocks:
-            task = r.shared_key or ""
+            task = (r.shared_key or "", seq.salt)
             entry = self._shared_in_use[task]
             entry[1] -= 1
             if entry[1] == 0:
                 del self._shared_in_use[task]
                 self._used -= entry[0]
-                self._cache_blocks(("task", task), entry[0])
+                self._cache_blocks(("task", *task), entry[0])
 
-    def _cache_blocks(self, key: tuple[str, str], blocks: int) -> None:
+    def _cache_blocks(self, key: tuple[str, str, int], blocks: int) -> None:
         if blocks <= 0:
             return
         self._cached_total += blocks - self._cache.pop(key, 0)
         self._cache[key] = blocks
+        if self.spec.num_tier_blocks:  # write-through: the tier keeps what the pool evicts
+            blocks = min(blocks, self.spec.num_tier_blocks)
+            self._tier_total += blocks - self._tier.pop(key, 0)
+            self._tier[key] = blocks
+            while self._tier_total > self.spec.num_tier_blocks:
+                old, count = next(iter(self._tier.items()))
+                take = min(count, self._tier_total - self.spec.num_tier_blocks)
+                if take == count:
+                    del self._tier[old]
+                else:
+                    self._tier[old] = count - take
+                self._tier_total -= take
 
 
 def build_engine_spec(plan: Plan, block_tokens: int = 16, max_num_seqs: int = 256) -> EngineSpec:
-    """One rollout engine of the plan: its tp_size GPUs' share of the KV pool."""
+    """One rollout engine of the plan: its tp_size GPUs' share of the KV pool, and the
+    offload tier rollout.kv_offload gives it."""
     p = plan.inputs
+    tier = plan.kv_offload_gb_per_engine * 1e9 if plan.kv_offload_tier != "none" else 0.0
     return EngineSpec(params_b=p.model_params_b, dtype_bytes=plan.dtype_bytes,
                       kv_bytes_per_token=p.kv_bytes_per_token,
                       kv_pool_bytes=p.kv_pool_gb_per_gpu * 1e9 * plan.tp_size,
                       tp_size=plan.tp_size, hbm_bytes_per_s=plan.hbm_bytes_per_s,
                       gpu_flops=p.gpu_flops, mfu_prefill=p.mfu_prefill,
-                      block_tokens=block_tokens, max_num_seqs=max_num_seqs)
+                      block_tokens=block_tokens, max_num_seqs=max_num_seqs, tier_bytes=tier)

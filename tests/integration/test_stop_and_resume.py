@@ -109,6 +109,22 @@ def wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, timeout_s: float 
         time.sleep(0.5)
 
 
+def latest_step(run_dir: Path) -> int:
+    return int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
+
+
+def wait_for_journaled_turn(proc: subprocess.Popen, run_dir: Path, timeout_s: float = STEP_TIMEOUT_S) -> None:
+    """Until an in-flight trajectory's journal holds a generation that a resume from the
+    latest checkpoint keeps (on a loaded machine the trajectories admitted after step 1
+    may not have generated yet when its checkpoint is written)."""
+    deadline = time.monotonic() + timeout_s
+    while not journaled_turns(run_dir / "inflight", latest_step(run_dir)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no journaled turn within {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.2)
+
+
 def sandbox_mounts(root: Path) -> list[str]:
     """The sandbox mounts under `root`: the test's own temp folder (own_tmpdir), which its
     runs' sandboxes use; other runs on this machine mount elsewhere."""
@@ -190,6 +206,7 @@ def test_a_sigkilled_run_is_reaped_resumed_and_stopped_by_ctrl_c_leaving_nothing
     proc = start(tmp_path, 200)
     wait_for_step(proc, run_dir, 1)
     wait_for_checkpoint(proc, run_dir)  # step 1's metrics are written before its checkpoint
+    wait_for_journaled_turn(proc, run_dir)
     killed_pids, killed_mounts = snapshot(proc, own_tmpdir)
     assert len(killed_pids) > 5 and killed_mounts  # Ray's processes, the engine, sandbox mounts
     os.kill(proc.pid, signal.SIGKILL)  # the driver only: its Ray processes and mounts stay
@@ -197,8 +214,8 @@ def test_a_sigkilled_run_is_reaped_resumed_and_stopped_by_ctrl_c_leaving_nothing
     killed_at = max(r["step"] for r in metric_rows(run_dir))
     # The killed run's workers go on until the resume reaps them: its journals may grow,
     # and what they hold now is replayed at least.
-    resumes_at = int((run_dir / "checkpoints" / "latest").read_text().split("-")[1])
-    journaled = journaled_turns(run_dir / "inflight", resumes_at)
+    journaled = journaled_turns(run_dir / "inflight", latest_step(run_dir))
+    assert journaled, "the journaled turn seen before the kill is gone"  # its group returned meanwhile
 
     # The resume reaps what SIGKILL left, continues the run, and stops at a step boundary
     # on one Ctrl-C (SIGTERM takes the same path) with a checkpoint and the resume command.

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from launch.plan import build_plan, compute_account, compute_kv_tier_gb_per_engine, format_gpu
+from launch.plan import (build_plan, compute_account, compute_in_flight_trajectories,
+                         compute_kv_tier_gb_per_engine, format_gpu)
 from launch.plan_profile import PlanProfile
 from rollout.engine import EngineSpec, build_engine_args, kv_offload_fields
 from trainer.run.recipe import build_config, load_config
@@ -60,6 +61,10 @@ def test_the_planner_prints_the_tier_needed_and_the_one_configured():
     account = compute_account(plan.inputs)
     need = compute_kv_tier_gb_per_engine(plan, account)
     engines = plan.inputs.rollout_gpus // plan.tp_size
-    assert need == pytest.approx((account.kv_need_bytes - account.kv_pool_bytes) / engines / 1e9)
+    # async keeps up to eta + 1 steps' trajectories in flight, as many as the sandboxes hold
+    in_flight = min((cfg.buffer.max_staleness + 1) * account.trajectories, plan.recipe_sandboxes)
+    assert compute_in_flight_trajectories(plan) == in_flight
+    kv = max(account.kv_need_bytes, in_flight * account.final_context_tokens * 131072)
+    assert need == pytest.approx((kv - account.kv_pool_bytes) / engines / 1e9)
     line = next(x for x in format_gpu(plan, account).splitlines() if "KV tier" in x)
     assert "per engine needed" in line and "configured: cpu, 512 GB per engine" in line

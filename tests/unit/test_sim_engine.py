@@ -217,3 +217,37 @@ def test_more_trajectories_in_flight_lower_the_hit_rate():
     assert roomy > 0.6  # everything stays resident: all but the new tokens hit
     assert more < fewer < roomy
     assert _hit_rate(16, 300) == fewer  # deterministic under a seed
+
+
+def test_a_new_salt_hides_older_blocks_and_reuse_keeps_them():
+    """A push under rollout.kv_after_push=recompute: blocks of the older salt are never hit
+    (vLLM's cache_salt); without a new salt (reuse) they keep hitting."""
+    for salted, hit in ((True, 0), (False, 112)):  # 7 full blocks of 100 + 20 tokens
+        e = EngineModel(SPEC)
+        e.submit(0.0, _req("t1", 100, 20, session="s"))
+        _run_out(e)
+        if salted:
+            e.new_salt()
+        e.submit(1.0, _req("t2", 150, 1, session="s"))
+        assert _run_out(e)[0].cached_tokens == hit
+
+
+def test_the_tier_serves_what_the_pool_evicted_at_its_bandwidth():
+    """A prefix the pool evicted is loaded from the offload tier (hits, counted as tier
+    hits) for its bytes over the tier's bandwidth, instead of being prefilled."""
+    small = dict(kv_pool_bytes=16 * 1000 * 20)  # 20 blocks of 16 tokens
+    plain = EngineModel(EngineSpec(**{**{f: getattr(SPEC, f) for f in SPEC.__slots__}, **small}))
+    tiered = EngineModel(EngineSpec(**{**{f: getattr(SPEC, f) for f in SPEC.__slots__}, **small,
+                                       "tier_bytes": 16 * 1000 * 100, "tier_bytes_per_s": 1e10}))
+    for e in (plain, tiered):
+        e.submit(0.0, _req("a1", 256, 1, session="a"))  # 16 blocks, cached when done
+        _run_out(e)
+        e.submit(1.0, _req("b1", 318, 1, session="b"))  # all 20 blocks: evicts a's from the pool
+        _run_out(e)
+        e.submit(2.0, _req("a2", 300, 1, session="a"))
+    (lost,), (loaded,) = _run_out(plain), _run_out(tiered)
+    assert lost.cached_tokens == 0 and plain.stats().tier_hits == 0
+    assert loaded.cached_tokens == 256 and tiered.stats().tier_hits == 256
+    load_s = 256 * 1000 / 1e10
+    assert tiered.stats().tier_load_s == pytest.approx(load_s)
+    assert loaded.first_token_s - loaded.admitted_s == pytest.approx(SPEC.prefill_s(300 - 256) + load_s)
