@@ -439,11 +439,14 @@ def compute_in_flight_trajectories(plan: Plan) -> int:
 def compute_kv_tier_gb_per_engine(plan: Plan, a: PlanAccount) -> float:
     """The offload tier each engine needs (rollout.kv_offload.gb_per_engine) for every
     trajectory's KV to stay somewhere: the KV of the trajectories in flight at their final
-    context (one step's in the seed's account, more under async), minus the pools, over
-    the engines."""
+    context (one step's in the seed's account, more under async), over the engines; 0
+    where the pools hold it. The whole of it, not what exceeds the pool: vLLM's offload
+    connectors store every block as it is computed, so the tier holds a copy of what the
+    pool holds too."""
     engines = max(1, plan.inputs.rollout_gpus // plan.tp_size)
     in_flight = compute_in_flight_trajectories(plan) * a.final_context_tokens * plan.inputs.kv_bytes_per_token
-    return max(0.0, max(a.kv_need_bytes, in_flight) - a.kv_pool_bytes) / engines / 1e9
+    need = max(a.kv_need_bytes, in_flight)
+    return need / engines / 1e9 if need > a.kv_pool_bytes else 0.0
 
 
 def format_kv_tier(plan: Plan, a: PlanAccount) -> str:
@@ -451,7 +454,7 @@ def format_kv_tier(plan: Plan, a: PlanAccount) -> str:
     configured = ("none configured (rollout.kv_offload)" if plan.kv_offload_tier == "none" else
                   f"configured: {plan.kv_offload_tier}, {plan.kv_offload_gb_per_engine:g} GB per engine")
     return (f"{need} per engine needed (KV of the {compute_in_flight_trajectories(plan):,} trajectories "
-            f"in flight - pool, per engine); {configured}")
+            f"in flight, per engine, where the pools cannot hold it); {configured}")
 
 
 def format_ratios(plan: Plan, a: PlanAccount) -> str:

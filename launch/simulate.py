@@ -72,6 +72,7 @@ class SimReport:
     staleness_max: int
     prefix_cache_hit_rate: float  # hit tokens / prompt tokens, as vLLM counts them
     tier_hit_rate: float  # of the prompt tokens, those loaded from the offload tier
+    tier_load_s_per_step: float  # of prefill_s_per_step: loading them, per engine
     prefill_s_per_step: float  # per engine, as the planner's prefill_*_s
     decode_s_per_step: float
     sandboxes_peak: int
@@ -201,6 +202,7 @@ def _report(cfg, opts, rollout, trainer, pool, engines, staleness, summary, rows
         staleness_max=max(staleness, default=0),
         prefix_cache_hit_rate=sum(s.prefix_cache_hits for s in stats) / queries if queries else 0.0,
         tier_hit_rate=sum(s.tier_hits for s in stats) / queries if queries else 0.0,
+        tier_load_s_per_step=sum(s.tier_load_s for s in stats) / len(stats) / n,
         prefill_s_per_step=sum(s.prefill_busy_s for s in stats) / len(stats) / n,
         decode_s_per_step=sum(s.decode_busy_s for s in stats) / len(stats) / n,
         sandboxes_peak=pool_stats.peak_in_use, sandboxes_mean=pool_stats.mean_in_use,
@@ -248,7 +250,7 @@ def format_report(cfg: SluiceConfig, profile: PlanProfile, r: SimReport) -> str:
              f"{a.prefill_expected_s:,.0f} ({a.prefill_cached_s:,.0f}-{a.prefill_uncached_s:,.0f})"),
             ("prefix-cache hit rate / KV resident", f"{r.prefix_cache_hit_rate:.1%}",
              f"{a.kv_resident_fraction:.1%}"),
-            ("  of which from the offload tier", f"{r.tier_hit_rate:.1%}",
+            ("  of which from the offload tier", f"{r.tier_hit_rate:.1%}, {r.tier_load_s_per_step:,.0f} s",
              f"tier {plan.kv_offload_gb_per_engine:g} GB/engine" if plan.kv_offload_tier != "none"
              else "no tier"),
             ("sandboxes mean / peak", f"{r.sandboxes_mean:,.0f} / {r.sandboxes_peak:,}",
