@@ -303,6 +303,10 @@ class EngineStats:
     # Resets after a load that vLLM refused because a request held KV blocks (cumulative);
     # each was redone preempting those requests (`VLLMEngine.reset_prefix_cache`).
     prefix_reset_refused: int = 0
+    # Prompt tokens looked up in, and served from, the KV connector's tier behind the pool
+    # (rollout.kv_offload; vLLM's external_prefix_cache_*, cumulative; 0 without a tier).
+    connector_queries: int = 0
+    connector_hits: int = 0
 
 
 class VLLMEngine:
@@ -536,12 +540,15 @@ class VLLMEngine:
                            kv_cache_usage=float(values.get("vllm:kv_cache_usage_perc", 0.0)),
                            prefix_cache_queries=int(values.get("vllm:prefix_cache_queries_total", 0)),
                            prefix_cache_hits=int(values.get("vllm:prefix_cache_hits_total", 0)),
-                           paused=self._paused, prefix_reset_refused=self._reset_refused)
+                           paused=self._paused, prefix_reset_refused=self._reset_refused,
+                           connector_queries=int(values.get("vllm:external_prefix_cache_queries_total", 0)),
+                           connector_hits=int(values.get("vllm:external_prefix_cache_hits_total", 0)))
 
 
 # The samples `VLLMEngine.stats` reads: gauges, and counters by their _total sample.
 STAT_SAMPLES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total")
 
 
 def read_vllm_samples() -> dict[str, float]:

@@ -99,3 +99,7 @@ def test_loop_metrics_sum_the_engines_refused_prefix_resets_and_their_cache_rate
     assert out["perf/prefix_reset_refused"] == 3.0  # cumulative over the live engines
     assert out["rollout/prefix_cache_hit_rate_vllm"] == (60 - 20) / (160 - 60)
     assert cache == (160, 60)
+    assert "rollout/kv_connector_hits" not in out  # no tier: no connector counters
+    engines["e1"] = dataclasses.replace(engines["e1"], connector_queries=50, connector_hits=30)
+    out, _ = compute_loop_metrics(buffer, engines, [], (60, 20))
+    assert (out["rollout/kv_connector_queries"], out["rollout/kv_connector_hits"]) == (50.0, 30.0)

@@ -308,6 +308,10 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
     durable = [w.durable for w in workers if w.durable is not None]
     if durable:  # trajectory journals (rollout.durable), totals over the workers
         out.update(sum_durable_stats(durable).as_metrics())
+    connector_queries = sum(e.connector_queries for e in engines.values())
+    if connector_queries:  # rollout.kv_offload: vLLM's own counters of its connector's tier
+        out["rollout/kv_connector_queries"] = float(connector_queries)
+        out["rollout/kv_connector_hits"] = float(sum(e.connector_hits for e in engines.values()))
     routers = [w.router for w in workers if w.router is not None and w.router.num_routed]
     if routers:  # rollout.routing=residency: what the routers' KV views decided (cumulative)
         out.update({"rollout/kv_routed_by_residency": float(sum(r.num_routed for r in routers)),
