@@ -62,6 +62,9 @@ SYNOPSES = {
         "the calibration's synopsis: [optional parts]",
     "python -m launch.simulate recipe=swe_grpo.yaml $S $SEED $Q plan.train_gpus=800 agent.tool_timeout_s=1800 "
     "--tail seed --mode async --steps 3 --json": "$S $SEED $Q: shell variables of the lines above it",
+    "python -m launch.simulate recipe=swe_grpo.yaml $S $SEED $Q plan.train_gpus=8 agent.tool_timeout_s=600 "
+    "--tail seed --mode async --steps 3 [rollout.kv_offload.tier=cpu rollout.kv_offload.gb_per_engine=1475] "
+    "[rollout.kv_after_push=reuse]": "$S $SEED $Q: shell variables of the lines above it; [optional overrides]",
     "python -m reward.validate FILE [--workers N] [--repeat K] [--out VALID.jsonl] [--state S]":
         "the validator's synopsis: FILE, [optional parts]",
     "python -m reward.grade ROW_ID --tasks ROWS.jsonl --workspace DIR_OR_PATCH [--sandbox-backend "
