@@ -115,6 +115,7 @@ class KvEventLog:
         for b, h in enumerate(block_hashes):
             chunk = token_ids[b * block_size:(b + 1) * block_size]
             if parent is None:  # a first block: vLLM puts the request's cache salt in its extra keys
+                # (after a LoRA name, which would be the first string: no LoRA is served here)
                 extra = extra_keys[b] if extra_keys else None
                 salt = next((x for x in extra or () if isinstance(x, str)), None)
                 parent = hash((ROOT_KEY, salt_code(salt), *chunk))

@@ -353,8 +353,9 @@ class EngineModel:
         shared_hit = shared if in_use else min(shared_cached, shared)
         own_cached = self._cache.get(own_key, 0)
         own_full = max(0, r.context_tokens // bs - shared)
-        # The tier holds what the pool evicted: the rest of the shared head, then the own
-        # blocks after the pool's (a prefix: loaded blocks continue the cached ones).
+        # The tier (a copy of every finished request's full blocks) serves what the pool
+        # lacks: the rest of the shared head, then the own blocks after the pool's; after
+        # a loaded head the own blocks come from the tier too (a hit is one prefix).
         shared_loaded = min(self._tier.get(shared_key, 0), shared) - shared_hit \
             if self._tier and shared_hit < shared else 0
         shared_loaded = max(0, shared_loaded)
@@ -430,7 +431,7 @@ class EngineModel:
             return
         self._cached_total += blocks - self._cache.pop(key, 0)
         self._cache[key] = blocks
-        if self.spec.num_tier_blocks:  # write-through: the tier keeps what the pool evicts
+        if self.spec.num_tier_blocks:  # write-through: the tier keeps a copy, LRU
             blocks = min(blocks, self.spec.num_tier_blocks)
             self._tier_total += blocks - self._tier.pop(key, 0)
             self._tier[key] = blocks
