@@ -203,8 +203,11 @@ def build_engine_args(spec: EngineSpec, kv_events_endpoint: str | None = None) -
     from vllm.config import KVEventsConfig
 
     s = spec
+    # Without an endpoint the args are only checked (dry-run, tests); a started engine
+    # passes the socket in its own folder.
+    endpoint = kv_events_endpoint or f"ipc://{tempfile.gettempdir()}/sluice-kv-events-unstarted"
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", topic=KV_EVENTS_TOPIC,
-                            endpoint=kv_events_endpoint or "ipc:///tmp/sluice-kv-events")
+                            endpoint=endpoint)
     return AsyncEngineArgs(
         **kv_offload_args(s), kv_events_config=events if s.kv_events else None,
         model=s.model_path, dtype=s.dtype, max_model_len=s.max_model_len,

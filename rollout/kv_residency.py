@@ -19,6 +19,7 @@ string's hash is not: the salt enters as its CRC32)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import zlib
 from collections import OrderedDict, deque
@@ -131,7 +132,9 @@ class KvEventLog:
         """The batches after `seq` (0: from the start of the log); `salt`: the cache salt
         of the engine's requests now."""
         with self._lock:
-            batches = [b for b in self._log if b[0] > seq]
+            # Sequence numbers are contiguous: the first batch after `seq` is found by index.
+            first = self._log[0][0] if self._log else self._seq + 1
+            batches = list(itertools.islice(self._log, max(0, seq + 1 - first), None))
             lost = (seq < self._seq and (not batches or batches[0][0] > seq + 1)) or any(b[4] for b in batches)
             cleared_at = max((i for i, b in enumerate(batches) if b[3]), default=-1)
             if cleared_at >= 0:  # what came before a clear no longer matters

