@@ -9,7 +9,7 @@ export SLUICE_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/sluice
 export TORCH_EXTENSIONS_DIR ?= $(SLUICE_CACHE_DIR)/torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup quickstart test test-unit test-gpu dry-run
+.PHONY: setup quickstart test test-system test-unit test-gpu dry-run
 
 setup:
 	SLUICE_VENV=$(VENV) scripts/setup.sh
@@ -24,10 +24,16 @@ quickstart: setup
 # (tests/conftest.py), slowest first. A third worker bought no wall time on 2 cores (25.4
 # min warm, as serial) and put three whole systems at once on them, where Ray's fixed 30 s
 # wait for a raylet to register ran out. TEST_WORKERS=0 runs it in this process.
+# `make test` leaves out the system tier (tests/conftest.py SYSTEM_TIER: the CLI's and the
+# multi-node cluster's whole-system starts, the container backend's matrices), which
+# `make test-system` runs; CI (.ci/run) runs both.
 TEST_WORKERS ?= 2
+PYTEST_PARALLEL = -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	$(PY) -m pytest tests/unit tests/integration -q --durations=30 \
-	  -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest tests/unit tests/integration -m "not system" $(PYTEST_PARALLEL)
+
+test-system: setup
+	$(PY) -m pytest tests/integration -m system $(PYTEST_PARALLEL)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

@@ -2,7 +2,11 @@
 suite.
 
 Markers: tests under integration/ and gpu/ are marked by folder, so `pytest tests/unit`
-stays fast and `-m "not integration"` works anywhere.
+stays fast and `-m "not integration"` works anywhere. The `system` tier (SYSTEM_TIER, and
+every test of the container backend) is what `make test-system` runs and `make test`
+leaves out: whole-system starts through the CLI or a multi-node cluster, and the second
+sandbox backend's copy of each red-team matrix. Each costs a Python process tree of
+torch, transformers and vLLM imports on 2 cores; CI runs both tiers (.ci/run).
 
 Parallel runs (`make test`: `-n 2 --dist loadfile`): each file is one unit of work, so its
 module-scoped fixtures (a vLLM engine, a Ray cluster, a whole run several checks read)
@@ -26,6 +30,19 @@ TESTS = Path(__file__).resolve().parent
 
 # Files by their last measured duration (s, 2 workers, warm caches), longest first; the
 # rest follow in collection order. Only the order of starting depends on this list.
+# The system tier: one whole-system start each (the CLI's own process tree, a multi-node
+# cluster, a TP=2 engine). The in-process whole run (test_async_loop) stays in `make test`.
+SYSTEM_TIER = (
+    "integration/test_stop_and_resume.py",  # two trainer.main starts: SIGKILL, resume, Ctrl-C
+    "integration/test_example_my_agent_run.py",  # trainer.main on a user's package, then export
+    "integration/test_multinode.py",  # a 4-node cluster's run: placement, gloo push, hacks
+    "integration/test_launch_doctor.py",  # the doctor on a 4-node cluster
+    "integration/test_engine_tp.py",  # a TP=2 engine in a placement group
+)
+# The sandbox and grading matrices run on the local backend in `make test` and on the
+# container backend (`backend` fixture parameter) in the system tier.
+SYSTEM_BACKEND = "container"
+
 SLOW_FIRST = (
     "integration/test_async_loop.py",  # 296: 20 steps, two evals, faults, its report
     "integration/test_stop_and_resume.py",  # 259: two real trainer.main starts
@@ -47,6 +64,12 @@ def _file_of(item: pytest.Item) -> str:
     return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
 
 
+def _in_system_tier(item: pytest.Item, path: str) -> bool:
+    params = item.callspec.params if isinstance(item, pytest.Function) and hasattr(item, "callspec") else {}
+    return path in SYSTEM_TIER or params.get("backend") == SYSTEM_BACKEND
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = _file_of(item)
@@ -54,6 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         elif path.startswith("gpu/"):
             item.add_marker(pytest.mark.gpu)
+        if _in_system_tier(item, path):
+            item.add_marker(pytest.mark.system)
     rank = {path: i for i, path in enumerate(SLOW_FIRST)}
     # sort is stable: within a file (and among unlisted files) collection order stays
     items.sort(key=lambda item: rank.get(_file_of(item), len(rank)))

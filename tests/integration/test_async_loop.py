@@ -6,7 +6,8 @@ python tool, DeepSpeed, the replay buffer and the controller.
 - The run routes by KV residency (rollout.routing=residency: vLLM's KV cache events from
   both engines reach each router's view, which places turns).
 - The run: token continuity of every trajectory (agent.continuity_check), the accounting
-  identity (checked by the controller every step), metric keys, transcripts, a resumable
+  identity (checked by the controller every step), metric keys (each explained in
+  docs/metrics.md), transcripts, a resumable
   checkpoint, and that RL raised the held-out reward above the warm-started model's, both
   measured in this run (eval.tasks before the first step and after the last).
 - Faults injected from outside as they happen in production (run_faults), which the run
@@ -31,7 +32,7 @@ import pytest
 
 from browser import check_in_browser, needs_chromium
 from envs.types import NO_VERSION, TerminationReason
-from quickstart_run import quickstart_config
+from quickstart_run import quickstart_config, undocumented_metrics
 from run_faults import WorkspaceWiper, kill_one_engine, own_temp_folder
 from trainer.run.config import SluiceConfig
 from trainer.run.controller import RunSummary
@@ -122,6 +123,7 @@ def test_short_async_run_keeps_every_invariant_and_raises_reward(short_run: Shor
     assert [r["step"] for r in train_rows] == list(range(1, NUM_STEPS + 1))
     missing = EXPECTED_KEYS - set().union(*rows)
     assert not missing, missing
+    assert undocumented_metrics(rows) == [], "metrics missing from docs/metrics.md"
     assert any(k.startswith("end/") for k in train_rows[0])
     assert all(r["staleness/max"] <= eta for r in train_rows)
     assert train_rows[-1]["rollout/continuity_divergences"] == 0

@@ -12,23 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from quickstart_run import undocumented_metrics
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def documented_key_patterns() -> list[re.Pattern[str]]:
-    """The keys of docs/metrics.md's tables; `<name>` stands for one or more path parts."""
-    keys = []
-    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
-        if line.startswith("| `"):
-            keys += re.findall(r"`([a-z_]+/[^`]+)`", line.split("|")[1])
-    return [re.compile("^" + re.sub(r"<[^>]+>", ".+", re.escape(k).replace(r"\<", "<")
-                                    .replace(r"\>", ">")) + "$") for k in keys]
 
 
 def user_package(home: Path) -> Path:
@@ -65,9 +56,7 @@ def test_the_example_package_trains_and_exports(tmp_path):
     per_tool = {k: sum(r.get(k, 0.0) for r in rows) for r in rows for k in r
                 if k.startswith("rollout/tool_calls/")}
     assert sum(per_tool.values()) == sum(r["rollout/tool_calls"] for r in rows) > 0, per_tool
-    patterns = documented_key_patterns()
-    logged = {k for r in rows for k in r if k not in ("step", "time")}
-    undocumented = sorted(k for k in logged if not any(p.match(k) for p in patterns))
+    undocumented = undocumented_metrics(rows)
     assert undocumented == [], f"metrics missing from docs/metrics.md: {undocumented}"
 
     transcripts = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]

