@@ -358,7 +358,7 @@ class TemplateContinuity(ContinuityBuilder):
         try:
             text = self.render((*_REFERENCE_HEAD, Message("assistant", "", (_EXAMPLE_CALL,))), None, False)
             prompt = self.render(_REFERENCE_HEAD, None, True)
-        except Exception:  # a template that cannot render it: the message says less
+        except ValueError:  # render_chat's error: the template cannot render it, the message says less
             return ""
         if not text.startswith(prompt):
             return ""

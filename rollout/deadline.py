@@ -47,11 +47,10 @@ async def gather_by_deadline(samples: Sequence[Awaitable[T]], deadline_s: float 
                 for task in pending:
                     task.cancel()
         return list(await asyncio.gather(*tasks))
-    except BaseException:  # cancelled from outside (the run stops), or a sample raised
+    finally:  # cancelled from outside (the run stops) or a sample raised: no sample outlives the call
         for task in tasks:
-            task.cancel()
+            task.cancel()  # a no-op for the finished ones
         await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def absorb_cut(cut: DeadlineCut | None) -> bool:

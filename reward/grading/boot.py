@@ -126,7 +126,7 @@ def runner_requirements(workspace: str) -> list[str]:
     names = []
     try:
         requires = metadata.distribution("pytest").requires or []
-    except Exception:  # no metadata beside it
+    except (ImportError, OSError, ValueError):  # PackageNotFoundError (an ImportError): no metadata beside it
         return []
     for requirement in requires:
         if "extra ==" in requirement:
@@ -136,7 +136,7 @@ def runner_requirements(workspace: str) -> list[str]:
             continue
         try:
             top = (metadata.distribution(found.group(0)).read_text("top_level.txt") or "").split()
-        except Exception:  # not installed (a marker excludes it here)
+        except (ImportError, OSError, ValueError):  # PackageNotFoundError: not installed (a marker excludes it here)
             continue
         names += top or [found.group(0).replace("-", "_").lower()]
     return [n for n in dict.fromkeys(names) if n.isidentifier() and not _in_workspace(n, workspace)]
@@ -175,7 +175,7 @@ def preload(module_names: list[str]) -> None:
     for name in module_names:
         try:
             importlib.import_module(name)
-        except Exception:  # absent from this python's build (or platform): nothing to take
+        except (ImportError, OSError):  # absent from this python's build (or platform): nothing to take
             pass
 
 

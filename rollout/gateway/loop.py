@@ -210,10 +210,10 @@ class SubprocessHarnessLoop(GatewayAgentLoop):
                                                     stderr=asyncio.subprocess.PIPE)
         try:
             _, stderr = await proc.communicate()
-        except BaseException:  # cancelled or timed out: the harness must not outlive its session
-            proc.kill()
-            await proc.wait()
-            raise
+        finally:  # cancelled or timed out: the harness must not outlive its session
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
         if proc.returncode != 0:
             raise RuntimeError(f"harness exited with {proc.returncode}: {stderr.decode(errors='replace')[-500:]}")
         return TerminationReason.FINISHED
