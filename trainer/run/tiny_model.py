@@ -16,6 +16,7 @@ import json
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from envs.cache import build_lock, default_cache_dir
@@ -125,7 +126,6 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    out = Path(out_dir)
     tokenizer = build_tokenizer(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=False,  # vLLM CPU bug with tied
                          bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -136,12 +136,23 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
         model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # pyrefly: ignore[bad-argument-type]
     model.generation_config = GenerationConfig(eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    return write_model_folder(out_dir, save, _build_key(), seed)
+
+
+def write_model_folder(out_dir: str | Path, save: Callable[[Path], None], key: str, seed: int) -> Path:
+    """`save` into a temporary folder beside `out_dir`, mark it built by `key`, then move it
+    to `out_dir` in one rename (a reader never sees half a model)."""
+    out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "sluice_build.json").write_text(json.dumps({"key": _build_key(), "seed": seed}))
+        save(tmp)
+        (tmp / "sluice_build.json").write_text(json.dumps({"key": key, "seed": seed}))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -150,24 +161,36 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
-    """Path of the cached tiny model, building it first if it is missing or outdated."""
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    path = root / "models" / f"tiny-qwen2-{_build_key()}"
+def ensure_built(path: Path, what: str, build: Callable[[Path], Path]) -> Path:
+    """`path`, built by `build` first if it holds no finished build (its name carries the
+    build key, so an outdated build is another folder)."""
     with build_lock(path):  # parallel test workers: one builds, the others wait for it
         if not (path / "sluice_build.json").is_file():
-            with FirstUse("the tiny test model (tokenizer and random weights)", path):
-                build_tiny_model(path)
+            with FirstUse(what, path):
+                build(path)
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", nargs="?", help="where to write (default: the cache folder)")
+def ensure_tiny_model(cache_dir: str | Path | None = None) -> Path:
+    """Path of the cached tiny model, building it first if it is missing or outdated."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return ensure_built(root / "models" / f"tiny-qwen2-{_build_key()}",
+                        "the tiny test model (tokenizer and random weights)", build_tiny_model)
+
+
+def run_build_cli(description: str, build: Callable[[Path, int], Path], ensure: Callable[[], Path],
+                  argv: list[str] | None) -> None:
+    """`python -m ... [OUT_DIR] [--seed N]` of a local test model: build into OUT_DIR, or
+    into the cache when it is missing; print where it is."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("out_dir", nargs="?", type=Path, help="where to write (default: the cache folder)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = build_tiny_model(args.out_dir, args.seed) if args.out_dir else ensure_tiny_model()
-    print(path)
+    print(build(args.out_dir, args.seed) if args.out_dir else ensure())
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_build_cli(__doc__.split("\n\n")[0], build_tiny_model, ensure_tiny_model, argv)
 
 
 if __name__ == "__main__":
