@@ -28,8 +28,6 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-# Files by their last measured duration (s, 2 workers, warm caches), longest first; the
-# rest follow in collection order. Only the order of starting depends on this list.
 # The system tier: one whole-system start each (the CLI's own process tree, a multi-node
 # cluster, a TP=2 engine). The in-process whole run (test_async_loop) stays in `make test`.
 SYSTEM_TIER = (
@@ -43,6 +41,8 @@ SYSTEM_TIER = (
 # container backend (`backend` fixture parameter) in the system tier.
 SYSTEM_BACKEND = "container"
 
+# Files by their last measured duration (s, 2 workers, warm caches), longest first; the
+# rest follow in collection order. Only the order of starting depends on this list.
 SLOW_FIRST = (
     "integration/test_async_loop.py",  # 296: 20 steps, two evals, faults, its report
     "integration/test_stop_and_resume.py",  # 259: two real trainer.main starts
