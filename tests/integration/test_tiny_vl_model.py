@@ -47,19 +47,22 @@ def test_an_image_part_renders_as_one_placeholder_where_it_stands(vl_model_path)
 
     processor = AutoProcessor.from_pretrained(vl_model_path)
     assert AutoConfig.from_pretrained(vl_model_path).model_type == "idefics3"
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Which cell? "}, {"type": "image"}]},
+    messages = [{"role": "system", "content": [{"type": "text", "text": "The board: "}, {"type": "image"}]},
+                {"role": "user", "content": [{"type": "text", "text": "Which cell? "}, {"type": "image"}]},
                 {"role": "assistant", "content": "", "tool_calls": [
                     {"type": "function", "function": {"name": "click", "arguments": {}}}]},
                 {"role": "tool", "content": [{"type": "text", "text": "after: "}, {"type": "image"}]}]
     text = processor.tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
                                                    add_generation_prompt=True)
+    assert f"<|im_start|>system\nThe board: {IMAGE_TOKEN}\n\n# Tools" in text
     assert f"<|im_start|>user\nWhich cell? {IMAGE_TOKEN}<|im_end|>" in text
     assert f"<tool_response>\nafter: {IMAGE_TOKEN}\n</tool_response>" in text
     # Text-only messages render as the tiny text model's template does.
     plain = processor.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                                     add_generation_prompt=True)
     assert plain == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert len(processor.tokenizer(IMAGE_TOKEN, add_special_tokens=False)["input_ids"]) == 1
+    for token in (IMAGE_TOKEN, "<|im_start|>", "<|im_end|>"):
+        assert len(processor.tokenizer(token, add_special_tokens=False)["input_ids"]) == 1
 
 
 def test_vllm_expands_the_placeholders_as_the_processor_does_and_scores_like_transformers(vl_model_path):

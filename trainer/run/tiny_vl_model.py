@@ -29,7 +29,7 @@ from trainer.run.tiny_model import (CHAT_TEMPLATE, MODEL_SHAPE, build_tokenizer,
                                     write_model_folder)
 
 # Bump when anything below changes what is built: the cache key includes it.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 IMAGE_TOKEN = "<image>"
 # Idefics3's processor looks these up by name: the tokens around and between image tiles.
@@ -70,16 +70,18 @@ def build_tiny_vl_model(out_dir: str | Path, seed: int = 0) -> Path:
     from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
 
     tokenizer = build_tokenizer(seed)
-    # The list replaces the tokenizer's own extra special tokens: <|im_start|> is kept.
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *IMAGE_MARKUP]})
+    # Idefics3Processor declares its own extra special tokens whenever it is built or loaded
+    # (in transformers 5 the list replaces the tokenizer's), so <|im_start|> is an added,
+    # not a special, token here: still one token, but kept by decode(skip_special_tokens=True).
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_MARKUP})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     vocab = tokenizer.get_vocab()
     eos, image = vocab["<|im_end|>"], vocab[IMAGE_TOKEN]
     text = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, bos_token_id=None,
                        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, **MODEL_SHAPE)
     config = Idefics3Config(vision_config=VISION_SHAPE, text_config=text, scale_factor=SCALE_FACTOR,
-                            image_token_id=image,
-                            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+                            image_token_id=image, pad_token_id=tokenizer.pad_token_id,
+                            tie_word_embeddings=False)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Idefics3ForConditionalGeneration(config).to(torch.float32).eval()  # pyrefly: ignore[bad-argument-type]
