@@ -1,4 +1,5 @@
-"""The tiny model: deterministic build, tool-aware chat template, and the same fp32
+"""The tiny model: deterministic, cached builds (its vision-language sibling's too, whose
+other checks are in test_tiny_vl_model.py), a tool-aware chat template, and the same fp32
 logprobs in transformers and in the real vLLM engine."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from trainer.run.tiny_model import build_tiny_model, ensure_tiny_model
+from trainer.run.tiny_vl_model import build_tiny_vl_model, ensure_tiny_vl_model
 
 TOOLS = [{"type": "function", "function": {
     "name": "python", "description": "Run Python code and return its output.",
@@ -27,17 +29,22 @@ CONVERSATION = [
 ]
 
 
-def _digest(path):
-    return {f: hashlib.sha256((path / f).read_bytes()).hexdigest()
-            for f in ("tokenizer.json", "model.safetensors", "config.json", "chat_template.jinja")}
+TEXT_FILES = ("tokenizer.json", "model.safetensors", "config.json", "chat_template.jinja")
+BUILDERS = {  # name: (build into a folder, ensure in a cache folder, the files that must not change)
+    "text": (build_tiny_model, ensure_tiny_model, TEXT_FILES),
+    "vision-language": (build_tiny_vl_model, ensure_tiny_vl_model, (*TEXT_FILES, "processor_config.json")),
+}
 
 
-def test_build_is_deterministic_and_cached(tmp_path):
-    a, b = build_tiny_model(tmp_path / "a"), build_tiny_model(tmp_path / "b")
-    assert _digest(a) == _digest(b)
-    cached = ensure_tiny_model(tmp_path / "cache")
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_build_is_deterministic_and_cached(tmp_path, name):
+    build, ensure, files = BUILDERS[name]
+    a, b = build(tmp_path / "a"), build(tmp_path / "b")
+    for f in files:
+        assert hashlib.sha256((a / f).read_bytes()).digest() == hashlib.sha256((b / f).read_bytes()).digest(), f
+    cached = ensure(tmp_path / "cache")
     mtime = (cached / "model.safetensors").stat().st_mtime_ns
-    assert ensure_tiny_model(tmp_path / "cache") == cached  # reused, not rebuilt
+    assert ensure(tmp_path / "cache") == cached  # reused, not rebuilt
     assert (cached / "model.safetensors").stat().st_mtime_ns == mtime
 
 

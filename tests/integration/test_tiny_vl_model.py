@@ -1,20 +1,18 @@
-"""The tiny vision-language model (trainer.run.tiny_vl_model): a deterministic, cached
-build; a chat template that renders an image part as one placeholder; and the real vLLM
-engine, handed that placeholder and the image, expanding it exactly as the processor does
+"""The tiny vision-language model (trainer.run.tiny_vl_model; its build is checked beside
+the text model's in test_tiny_model.py): a chat template that renders an image part as one
+placeholder; and the real vLLM engine, handed that placeholder and the image, expanding it exactly as the processor does
 and giving the same fp32 logprobs as transformers with the processor's pixel values."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from trainer.run.tiny_vl_model import IMAGE_TOKEN, build_tiny_vl_model, ensure_tiny_vl_model
+from trainer.run.tiny_vl_model import IMAGE_TOKEN, ensure_tiny_vl_model
 
-FILES = ("tokenizer.json", "model.safetensors", "config.json", "processor_config.json", "chat_template.jinja")
 TOOLS = [{"type": "function", "function": {"name": "click", "description": "Click a cell.",
                                            "parameters": {"type": "object", "properties": {}}}}]
 
@@ -30,16 +28,6 @@ def screenshot(width: int, height: int, label: str) -> Image.Image:
 @pytest.fixture(scope="module")
 def vl_model_path():
     return ensure_tiny_vl_model()
-
-
-def test_build_is_deterministic_and_cached(tmp_path):
-    a, b = build_tiny_vl_model(tmp_path / "a"), build_tiny_vl_model(tmp_path / "b")
-    digest = {f: hashlib.sha256((a / f).read_bytes()).hexdigest() for f in FILES}
-    assert digest == {f: hashlib.sha256((b / f).read_bytes()).hexdigest() for f in FILES}
-    cached = ensure_tiny_vl_model(tmp_path / "cache")
-    mtime = (cached / "model.safetensors").stat().st_mtime_ns
-    assert ensure_tiny_vl_model(tmp_path / "cache") == cached  # reused, not rebuilt
-    assert (cached / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_an_image_part_renders_as_one_placeholder_where_it_stands(vl_model_path):
