@@ -1,5 +1,7 @@
 """Core data passed between stages: Task (with its GradingSpec) -> Trajectory (with Turns)
 -> Group; and the agent's final WorkspaceChanges, which stay on the worker that grades them.
+A message's content is text, or text and images (`Image`) in order; a trajectory keeps each
+image it saw with the run of tokens it stands for (`TrajectoryImage`).
 
 This module is the bottom layer with `envs.plugins` and `envs.knobs`: every package may
 import it and it imports nothing else from the project. Per-token arrays are numpy arrays that share
@@ -57,9 +59,56 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Image:
+    """An image in a message (a screenshot a tool returns, a picture in a task's prompt): the
+    encoded file as given (PNG, JPEG, ...), never decoded and re-encoded on its way to the
+    engine, so that the engine and the trainer see the same pixels."""
+
+    data: bytes
+    media_type: str = "image/png"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, bytes) or not self.data:
+            raise ValueError("Image.data must be the non-empty bytes of an encoded image (PNG, JPEG, ...)")
+        if not self.media_type.startswith("image/"):
+            raise ValueError(f"Image.media_type must be an image type such as 'image/png', got {self.media_type!r}")
+
+    @classmethod
+    def from_pil(cls, picture: Any) -> Image:  # Any: a PIL.Image.Image (PIL is imported on use)
+        """A PIL image, encoded as PNG (lossless)."""
+        import io
+
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        return cls(buffer.getvalue(), "image/png")
+
+    def to_pil(self) -> Any:  # Any: a PIL.Image.Image in RGB
+        """The decoded image, in RGB (what image processors take); ValueError if it is not one."""
+        import io
+
+        from PIL import Image as PILImage, UnidentifiedImageError
+
+        try:
+            with PILImage.open(io.BytesIO(self.data)) as opened:
+                return opened.convert("RGB")
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ValueError(f"Image ({self.media_type}, {len(self.data)} bytes) cannot be decoded: {exc}") from exc
+
+    def __repr__(self) -> str:  # never the bytes
+        return f"Image({self.media_type}, {len(self.data)} bytes)"
+
+
+# A message's content: text, or text and images in the order they are shown to the model.
+Content: TypeAlias = "str | tuple[str | Image, ...]"
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
+    """One chat message. `content` is text, or a sequence of text and `Image` parts (a
+    tool's screenshot, a task's picture); `text` and `images` read either form."""
+
     role: Role
-    content: str
+    content: Content
     tool_calls: tuple[ToolCall, ...] = ()
     name: str | None = None  # tool name, on role "tool"
     # The assistant's reasoning, apart from `content` (a reasoning parser separates the
@@ -69,13 +118,46 @@ class Message:
     def __post_init__(self) -> None:
         if self.role not in ("system", "user", "assistant", "tool"):
             raise ValueError(f"message role must be system/user/assistant/tool, got {self.role!r}")
+        if not isinstance(self.content, str):
+            parts = tuple(self.content)  # frozen: a list of parts is normalised once, here
+            bad = [type(p).__name__ for p in parts if not isinstance(p, (str, Image))]
+            if bad:
+                raise ValueError(f"message content parts must be text (str) or envs.types.Image, got {bad}")
+            if self.role == "assistant" and any(isinstance(p, Image) for p in parts):
+                raise ValueError("assistant messages hold text only: the model does not write images")
+            object.__setattr__(self, "content", parts)
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.reasoning is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry reasoning")
 
+    @property
+    def text(self) -> str:
+        """The text of the content, its image parts left out."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p for p in self.content if isinstance(p, str))
+
+    @property
+    def images(self) -> tuple[Image, ...]:
+        """The content's images, in order."""
+        return () if isinstance(self.content, str) else tuple(p for p in self.content if isinstance(p, Image))
+
+    def with_text(self, text: str) -> Content:
+        """The content with `text` appended (after any images: a note below a screenshot)."""
+        if isinstance(self.content, str):
+            return self.content + text
+        if self.content and isinstance(self.content[-1], str):
+            return (*self.content[:-1], self.content[-1] + text)
+        return (*self.content, text)
+
     def to_template(self) -> dict[str, Any]:  # Any: chat templates' free-form dicts
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The message as chat templates read it; content with images becomes a list of
+        OpenAI-style parts ({"type": "text", "text": ...} and {"type": "image"}), the shape
+        vision-language templates render an image placeholder from."""
+        content: Any = self.content if isinstance(self.content, str) else [
+            {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in self.content]
+        out: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [c.to_template() for c in self.tool_calls]
         if self.name is not None:
@@ -370,6 +452,43 @@ def _array(values: ArrayLike, dtype: DTypeLike) -> np.ndarray:
     return arr
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class TrajectoryImage:
+    """One image of a trajectory, where it sits in the token sequence and what the vision
+    encoder reads of it. The model's processor expanded the image into a run of `num_tokens`
+    ids starting at `start` of `Trajectory.input_ids()` (all mask 0); the engine is sent
+    `prompt_ids` in place of that run (the template's placeholder, which vLLM expands the
+    same way) together with `image`; the trainer feeds `inputs` (the processor's arrays for
+    this image: pixel values, their mask or grid sizes) to the vision encoder, so it never
+    re-derives them."""
+
+    start: int
+    num_tokens: int
+    image: Image
+    prompt_ids: tuple[int, ...]
+    inputs: Mapping[str, np.ndarray]
+    num_image_tokens: int = 0  # of the run, the positions the encoder's features fill (accounts)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(map(int, self.prompt_ids)))
+        object.__setattr__(self, "inputs", {k: np.asarray(v) for k, v in self.inputs.items()})
+        if self.start < 0 or self.num_tokens < 1:
+            raise ValueError(f"a trajectory image needs start >= 0 and num_tokens >= 1, got "
+                             f"start={self.start}, num_tokens={self.num_tokens}")
+        if not self.prompt_ids:
+            raise ValueError("a trajectory image needs the ids the engine is sent in place of its run")
+        if not 0 <= self.num_image_tokens <= self.num_tokens:
+            raise ValueError(f"num_image_tokens={self.num_image_tokens} is outside the run of {self.num_tokens}")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def shifted(self, offset: int) -> TrajectoryImage:
+        """The same image `offset` positions later (a segment's run placed in a sequence)."""
+        return dataclasses.replace(self, start=self.start + offset)
+
+
 @dataclass(frozen=True, slots=True)
 class Trajectory:
     """A terminal multi-turn rollout. response_* arrays hold model and environment tokens
@@ -393,6 +512,8 @@ class Trajectory:
     # its history (rollout.gateway.server) yields several exact segments for one sample: they
     # share `index`, the session's reward and its group baseline. 0 for ordinary loops.
     segment: int = 0
+    # The images of input_ids(), in order of position (vision-language models); () for text.
+    images: tuple[TrajectoryImage, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: inputs (lists or arrays) are normalised once, here
@@ -403,6 +524,7 @@ class Trajectory:
         set_(self, "termination", TerminationReason(self.termination))
         set_(self, "turns", tuple(self.turns))
         set_(self, "reward_components", dict(self.reward_components))
+        set_(self, "images", tuple(self.images))
         self._validate()
 
     def _validate(self) -> None:
@@ -428,6 +550,25 @@ class Trajectory:
             raise ValueError(f"reward must be finite, got {self.reward}")
         if self.segment < 0:
             raise ValueError(f"segment must be >= 0, got {self.segment}")
+        self._validate_images()
+
+    def _validate_images(self) -> None:
+        end, p = 0, len(self.prompt_ids)
+        total = p + len(self.response_ids)
+        for image in self.images:
+            if image.start < end or image.end > total:
+                raise ValueError(f"trajectory {self.task_id}/{self.index}: image runs must be in order, "
+                                 f"apart and inside the {total} ids; one covers [{image.start}, {image.end})")
+            a, b = max(image.start - p, 0), max(image.end - p, 0)
+            if np.any(self.response_mask[a:b] != 0):
+                raise ValueError(f"trajectory {self.task_id}/{self.index}: image tokens are never sampled "
+                                 "(mask 0 over every image run)")
+            end = image.end
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Positions the vision encoder's features fill, over all images."""
+        return sum(i.num_image_tokens for i in self.images)
 
     @property
     def num_model_tokens(self) -> int:
@@ -454,7 +595,7 @@ class Trajectory:
                 "segment": self.segment, "termination": self.termination.value, "detail": self.termination_detail,
                 "reward": self.reward, "turns": len(self.turns),
                 "prompt_tokens": len(self.prompt_ids), "response_tokens": len(self.response_ids),
-                "model_tokens": self.num_model_tokens}
+                "model_tokens": self.num_model_tokens, "images": len(self.images)}
 
     def __repr__(self) -> str:
         return f"Trajectory({json.dumps(self.summary())})"

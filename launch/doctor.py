@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from launch.checks import Check
 from launch.gpu_stack import GpuStack, check_gpu_stacks, probe_gpu_stack
 from trainer.run.config import SluiceConfig
+from trainer.run.local_models import is_local_model
 from trainer.run.pools import PoolSpec, plan_pools
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ def _model_paths(cfg: SluiceConfig) -> dict[str, str]:
     for key, path in (("model.path", cfg.model.path),
                       ("reward.judge.model_path",
                        cfg.reward.judge.model_path if cfg.reward.judge.enabled else None)):
-        if path and path != "tiny":  # the tiny model is built on each node from code
+        if path and not is_local_model(path):  # built on each node from code
             paths[key] = str(Path(path) / "config.json")
     return paths
 

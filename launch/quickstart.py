@@ -69,7 +69,7 @@ def toy_demonstration(task: Task, max_observation_tokens: int, count_tokens=None
     result, answer 'Answer: <n>' with the number the tool printed."""
     from trainer.train.sft import Demonstration  # torch: only when demonstrations are made
 
-    match = _EXPRESSION.fullmatch(task.messages[-1].content)
+    match = _EXPRESSION.fullmatch(task.messages[-1].text)
     if match is None or task.answer is None:
         raise ValueError(f"task {task.id!r} is not a toy_arithmetic task")
     printed, value = match["expr"], task.answer

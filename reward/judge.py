@@ -86,7 +86,7 @@ def render_judge_prompt(task: Task, final_text: str, *, max_chars: int = 4000) -
     """The judge conversation: instructions, then the task as the agent's user turns gave
     it, the reference answer when the task has one, and the agent's final answer. Each
     part is cut to `max_chars` (the answer keeps its end, where the final answer is)."""
-    question = "\n\n".join(m.content for m in task.messages if m.role == "user")
+    question = "\n\n".join(m.text for m in task.messages if m.role == "user")
     parts = [f"## Task\n{_clip(question, max_chars, 'start')}"]
     if task.answer is not None:
         parts.append(f"## Reference answer\n{_clip(task.answer, max_chars, 'start')}")

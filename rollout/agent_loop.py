@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from envs.tools.base import Tool
 from envs.trajectory_env import TrajectoryEnv
 from rollout.chat import ContinuityBuilder, check_continuity
-from rollout.durable import DurableTrajectory, ToolsRan, TurnGenerated, call_key
+from rollout.durable import DurableTrajectory, ToolsRan, TurnGenerated, call_key, encode_content
 from rollout.engine import Sampling, TokenOutput
 from rollout.gate import LocalTurns, TurnGate
 from rollout.loop_watch import ToolActivity, ToolBlockedLoop
 from rollout.recorder import BudgetExhausted, Budgets, TrajectoryRecorder
 from rollout.router import Router
 from rollout.parsers import parse_generation
+from rollout.vision import for_engine
 from rollout.tool_parser import ParsedTurn, validate_arguments
 from envs.types import Message, Task, TerminationReason, ToolCall, Trajectory
 
@@ -151,7 +152,8 @@ class AgentContext:
         started_at = time.time()
         self._num_requests += 1
         turn = await LocalTurns(self.router, self.gate).generate_turn(
-            self.session_id, f"{self.session_id}#{self._num_requests}", rec.context_ids, sampling)
+            self.session_id, f"{self.session_id}#{self._num_requests}", rec.context_ids, sampling,
+            for_engine(rec.images))
         rec.add_generation(turn.output, turn.queue_s, turn.generate_s, turn.engine, started_at)
         if self.durable is not None:
             await self.durable.record_generation(TurnGenerated.of(
@@ -178,7 +180,8 @@ class AgentContext:
         if self.recorder is None:
             return
         ids = self.recorder.context_ids.tolist()
-        divergence = check_continuity(self.tokenizer, messages, self.tool_schemas or None, ids)
+        divergence = check_continuity(self.tokenizer, messages, self.tool_schemas or None, ids,
+                                      images=getattr(self.chat, "images", None))
         if divergence is None:
             return
         found = self.recorder.generation_at(divergence.position)
@@ -205,8 +208,9 @@ class AgentContext:
         if self.durable is not None:
             o = outcome
             await self.durable.record_tools(ToolsRan(
-                calls, tuple(m.content for m in o.messages), tuple(m.name for m in o.messages), o.num_calls,
-                o.num_errors, o.num_timeouts, o.ends_trajectory, o.seconds, o.tools, o.failed_tools), self.env)
+                calls, tuple(encode_content(m.content) for m in o.messages), tuple(m.name for m in o.messages),
+                o.num_calls, o.num_errors, o.num_timeouts, o.ends_trajectory, o.seconds, o.tools, o.failed_tools),
+                self.env)
         return outcome
 
     async def _run_tools(self, parsed: ParsedTurn) -> ToolOutcome:
@@ -219,7 +223,7 @@ class AgentContext:
         return ToolOutcome(
             messages=tuple(messages), num_calls=len(parsed.calls) + len(parsed.errors),
             num_errors=sum(1 for _, err, _ in results if err) + len(parsed.errors),
-            num_timeouts=sum(1 for m, _, _ in results if m.content.startswith("Timeout:")),
+            num_timeouts=sum(1 for m, _, _ in results if m.text.startswith("Timeout:")),
             ends_trajectory=any(ends for _, _, ends in results), seconds=time.monotonic() - start,
             tools=(*names, *malformed),
             failed_tools=(*(n for n, (_, err, _) in zip(names, results) if err), *malformed))
@@ -246,7 +250,7 @@ class AgentContext:
         except Exception as exc:  # a failing tool is an observation, never a crashed worker
             return Message("tool", f"Error: {call.name} failed: {type(exc).__name__}: {exc}",
                            name=call.name), True, False
-        return Message("tool", result.text, name=call.name), result.is_error, result.ends_trajectory
+        return Message("tool", result.content, name=call.name), result.is_error, result.ends_trajectory
 
 
 async def execute_tool(tool: Tool, name: str, arguments: Mapping[str, Any],

@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from envs.types import Message, ToolCall
+from envs.types import Image, Message, ToolCall
+from rollout.vision import ImageExpander, no_images_error
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -261,14 +262,18 @@ class TemplateContinuity(ContinuityBuilder):
     """
 
     __slots__ = ("tokenizer", "family", "keep_thinking", "template_kwargs", "end_of_turn_id",
-                 "stop_token_ids", "close_glue", "_tool_parser", "_reasoning_parser", "_parser")
+                 "stop_token_ids", "close_glue", "images", "_tool_parser", "_reasoning_parser", "_parser")
     end_of_turn_id: int
     stop_token_ids: tuple[int, ...]
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, family: ChatFamily,
                  keep_thinking: bool = True, template_kwargs: Mapping[str, Any] | None = None, *,
-                 tool_parser: str | None = AUTO, reasoning_parser: str | None = AUTO) -> None:
+                 tool_parser: str | None = AUTO, reasoning_parser: str | None = AUTO,
+                 images: ImageExpander | None = None) -> None:
         self.tokenizer = tokenizer
+        # A vision-language model's processor: image parts become their runs of ids; None:
+        # the model takes no images, and messages with images are refused.
+        self.images = images
         self.family = family
         self.keep_thinking = keep_thinking
         kwargs = dict(family.keep_thinking_kwargs) if keep_thinking else {}
@@ -279,6 +284,8 @@ class TemplateContinuity(ContinuityBuilder):
         self._reasoning_parser = _parser_name(reasoning_parser, family.reasoning_parser)
         self._parser: OutputParser | None = None
         self.close_glue = self._check_template()
+        if images is not None:
+            self._check_image_parts(images)
         if reasoning_parser == AUTO and self.prompt_closes_thinking():
             # The model starts after a closed think block (Qwen3.5 "nothink",
             # enable_thinking=False): all it writes is content, whatever a reasoning
@@ -312,7 +319,21 @@ class TemplateContinuity(ContinuityBuilder):
         """The first prompt: the conversation rendered once, with the generation prompt."""
         if not messages:
             raise ValueError("initial_prompt_ids needs at least one message")
-        return encode(self.tokenizer, self.render(messages, tools, add_generation_prompt=True))
+        self._check_takes_images(messages)
+        return self._with_images(encode(self.tokenizer, self.render(messages, tools, add_generation_prompt=True)),
+                                 messages)
+
+    def _with_images(self, ids: list[int], messages: Sequence[Message]) -> list[int]:
+        """`ids` with each image placeholder expanded into its image's run (a PromptIds) for
+        a vision-language model."""
+        if self.images is None:
+            return ids
+        return self.images.expand(ids, [image for m in messages for image in m.images])
+
+    def _check_takes_images(self, messages: Sequence[Message]) -> None:
+        """ValueError, before rendering, for images a text model cannot take."""
+        if self.images is None and any(m.images for m in messages):
+            raise no_images_error(messages)
 
     def observation_ids(self, tool_messages: Sequence[Message],
                         generation_ended_with_eos: bool) -> list[int]:
@@ -335,7 +356,9 @@ class TemplateContinuity(ContinuityBuilder):
                          generation_ended_with_eos: bool) -> list[int]:
         """Ids after a generation for any new messages: the template's own continuation
         after the assistant turn, as for tool results or user messages alone."""
-        return encode(self.tokenizer, self._continuation(new_messages, generation_ended_with_eos))
+        self._check_takes_images(new_messages)
+        return self._with_images(encode(self.tokenizer, self._continuation(new_messages, generation_ended_with_eos)),
+                                 new_messages)
 
     def reset_context(self, messages: Sequence[Message], tools: Tools | None) -> list[int]:
         """Prompt ids of a new segment: the whole conversation re-rendered by the template,
@@ -434,6 +457,21 @@ class TemplateContinuity(ContinuityBuilder):
         self._check_token_boundaries(samples[0])
         return close_glue
 
+    def _check_image_parts(self, images: ImageExpander) -> None:
+        """The template renders one placeholder per image part, where the part stands, in
+        the first prompt and in the text after a generation (user and tool messages)."""
+        picture = Image(b"sluice-template-check")  # rendering never reads the bytes
+        user = Message("user", ("Look: ", picture, " and ", picture, "."))
+        tool = Message("tool", ("Screenshot:", picture), name="python")
+        for text, expected, where in (
+                (self.render((_REFERENCE_HEAD[0], user), None, True), 2, "a user message"),
+                (self._suffix_after(PLACEHOLDER, (tool,)), 1, "a tool message")):
+            found = text.count(images.image_token)
+            if found != expected:
+                raise ValueError(f"family {self.family.name!r}: the chat template renders {found} image "
+                                 f"placeholder(s) {images.image_token!r} for {expected} image part(s) in {where}; "
+                                 "a vision-language template renders one per {'type': 'image'} part")
+
     def _check_token_boundaries(self, sample: Sequence[Message]) -> None:
         """Tokenizing prompt, generation and observation apart must give the same text as
         tokenizing the whole; the same ids too, or `check_continuity` reports artifacts."""
@@ -512,16 +550,18 @@ def build_continuity_builder(tokenizer: PreTrainedTokenizerBase, family: str = "
                              keep_thinking: bool = True,
                              template_kwargs: Mapping[str, Any] | None = None, *,
                              tool_parser: str | None = AUTO,
-                             reasoning_parser: str | None = AUTO) -> TemplateContinuity:
+                             reasoning_parser: str | None = AUTO,
+                             images: ImageExpander | None = None) -> TemplateContinuity:
     """The builder for `family` ("auto" detects it from the tokenizer's chat template).
     `keep_thinking` matters only for families whose template renders reasoning. The
     parsers are vLLM names, "auto" for the family's default, or "none"; they are built
-    here (the first build imports vLLM, seconds), so that no trajectory waits for them."""
+    here (the first build imports vLLM, seconds), so that no trajectory waits for them.
+    `images` (rollout.vision.load_image_expander) lets messages hold images."""
     name = detect_family(tokenizer) if family == AUTO else family
     if name not in FAMILIES:
         raise ValueError(f"unknown chat family {family!r}; supported: auto, {', '.join(FAMILIES)}")
     builder = TemplateContinuity(tokenizer, FAMILIES[name], keep_thinking, template_kwargs,
-                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser, images=images)
     builder.parser  # noqa: B018 - built now, not inside the first trajectory's event loop turn
     return builder
 
@@ -577,18 +617,22 @@ def first_divergence(tokenizer: PreTrainedTokenizerBase, reference: Sequence[int
 def check_continuity(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message],
                      tools: Tools | None, incremental_ids: Sequence[int], *,
                      template_kwargs: Mapping[str, Any] | None = None,
-                     context_tokens: int = 4, family: ChatFamily | None = None) -> Divergence | None:
+                     context_tokens: int = 4, family: ChatFamily | None = None,
+                     images: ImageExpander | None = None) -> Divergence | None:
     """Debug check: compare incremental ids with the conversation fully re-rendered.
 
     When `messages` ends with an assistant message the trajectory may stop before the
     glue that closes it (a final turn cut by length, or ChatML's newline after the stop
     token), or hold a stop token the template leaves to the next message (GLM): the two
     may differ at the end by special tokens and whitespace only. Otherwise the re-render
-    includes the generation prompt and must match exactly.
+    includes the generation prompt and must match exactly. With `images` (a vision-language
+    model's expander) the re-render's image placeholders are expanded as the builder does.
     """
     final_is_assistant = bool(messages) and messages[-1].role == "assistant"
     reference = encode(tokenizer, render_chat(tokenizer, messages, tools,
                                               add_generation_prompt=not final_is_assistant,
                                               template_kwargs=template_kwargs, family=family))
+    if images is not None:
+        reference = images.expand(reference, [i for m in messages for i in m.images])
     return first_divergence(tokenizer, reference, incremental_ids, trailing_glue_ok=final_is_assistant,
                             context_tokens=context_tokens)

@@ -45,7 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
-from envs.types import Message
+from envs.types import Content, Image, Message
 from rollout.journal_file import (GENERATION_DTYPES, GenerationRecord, JournalCodec, append_frame, remove_file,
                                  truncate_to)
 
@@ -99,7 +99,7 @@ class ToolsRan:
     """One ctx.run_tools: the calls it was given (checked on replay) and its ToolOutcome."""
 
     calls: tuple[str, ...]  # each call's tool name and JSON arguments, in order
-    contents: tuple[str, ...]  # the observation messages (role "tool"), in order
+    contents: tuple[JournalContent, ...]  # the observation messages (role "tool"), in order (encode_content)
     names: tuple[str | None, ...]
     num_calls: int
     num_errors: int
@@ -114,7 +114,24 @@ class ToolsRan:
 
     @property
     def messages(self) -> tuple[Message, ...]:
-        return tuple(Message("tool", c, name=n) for c, n in zip(self.contents, self.names, strict=True))
+        return tuple(Message("tool", decode_content(c), name=n) for c, n in zip(self.contents, self.names, strict=True))
+
+
+# A message's content as the journal (marshal) holds it: the text, or its parts with each
+# image as (media type, encoded bytes).
+JournalContent = str | tuple[str | tuple[str, bytes], ...]
+
+
+def encode_content(content: Content) -> JournalContent:
+    if isinstance(content, str):
+        return content
+    return tuple(p if isinstance(p, str) else (p.media_type, p.data) for p in content)
+
+
+def decode_content(content: JournalContent) -> Content:
+    if isinstance(content, str):
+        return content
+    return tuple(p if isinstance(p, str) else Image(p[1], p[0]) for p in content)
 
 
 TrajectoryRecord = TrajectoryBegun | TurnGenerated | ToolsRan

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from envs.owner import owner_tag
+from envs.types import TrajectoryImage
 from rollout.kv_residency import KvEventLog, KvResidencyDelta
+from rollout.vision import engine_prompt
 from rollout.worker_reply import fold_checksums, fold_replies
 
 if TYPE_CHECKING:
@@ -310,6 +312,9 @@ class EngineStats:
     # (rollout.kv_offload; vLLM's external_prefix_cache_*, cumulative; 0 without a tier).
     connector_queries: int = 0
     connector_hits: int = 0
+    # Resets of a vision-language model's encoder and processor caches after a weight load
+    # (cumulative; 0 for text models): `VLLMEngine._reset_multimodal_caches`.
+    mm_cache_resets: int = 0
 
 
 class VLLMEngine:
@@ -323,6 +328,7 @@ class VLLMEngine:
         self._in_flight: set[str] = set()
         self._update_lock = asyncio.Lock()
         self._reset_refused = 0
+        self._mm_cache_resets = 0  # multimodal cache resets after weight loads (vision models)
         self._ipc_dir: str | None = None  # the engine's sockets (new_ipc_dir)
         self._kv_log = KvEventLog()  # stays empty unless spec.kv_events
         self._kv_reader: threading.Thread | None = None
@@ -407,7 +413,11 @@ class VLLMEngine:
             self._ipc_dir = None
 
     async def generate(self, request_id: str, prompt_ids: list[int] | np.ndarray,
-                       sampling: Sampling) -> TokenOutput:
+                       sampling: Sampling, images: tuple[TrajectoryImage, ...] = ()) -> TokenOutput:
+        """Generate from `prompt_ids`. With `images` (a vision-language model), the ids hold
+        each image's run as its processor expanded it; vLLM is sent the placeholder in its
+        place with the image, expands it itself, and must arrive at the same ids (else
+        ValueError: the trajectory would train on ids the engine never saw)."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -416,7 +426,12 @@ class VLLMEngine:
             top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
             stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)
-        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
+        expected = [int(t) for t in prompt_ids]
+        if images:
+            sent, pictures = engine_prompt(expected, images)
+            prompt = TokensPrompt(prompt_token_ids=sent, multi_modal_data={"image": [p.to_pil() for p in pictures]})
+        else:
+            prompt = TokensPrompt(prompt_token_ids=expected)
         salt = self._cache_salt()
         if salt is not None:
             # Salted block hashes: KV computed under another weight version is never hit.
@@ -429,6 +444,8 @@ class VLLMEngine:
         self._in_flight.add(request_id)
         try:
             async for out in self._llm.generate(prompt, params, request_id=request_id):
+                if images and not ids and out.prompt_token_ids is not None and list(out.prompt_token_ids) != expected:
+                    raise ValueError(_expansion_mismatch(expected, list(out.prompt_token_ids)))
                 delta = out.outputs[0]
                 # Weights change only while paused, so a delta's arrival version is the
                 # version that produced it.
@@ -444,7 +461,7 @@ class VLLMEngine:
                            logprobs=np.asarray(logprobs, dtype=np.float32),
                            versions=np.asarray(versions, dtype=np.int32),
                            finish_reason=_finish_reason(finish),
-                           num_prompt_tokens=len(prompt["prompt_token_ids"]),
+                           num_prompt_tokens=len(expected),
                            cached_prompt_tokens=int(cached),
                            cache_salted=self.spec.kv_after_push == "recompute")
 
@@ -496,10 +513,22 @@ class VLLMEngine:
                 # reuse every request goes on with the KV it has.
                 if self.spec.kv_after_push == "recompute" and self._in_flight:
                     await self.reset_prefix_cache()
+                await self._reset_multimodal_caches()
                 self._version = version
             finally:
                 if not was_paused:
                     await self.resume()
+
+    async def _reset_multimodal_caches(self) -> None:
+        """After new weights, a vision-language model's encoder cache holds image features
+        the old vision tower computed (vLLM keys them by image, not by weights, and keeps
+        them for reuse by later requests with the same image): reset it, and the processor
+        cache with it (vLLM's own calls), so the next request encodes its images anew."""
+        if not self._llm.model_config.is_multimodal_model:
+            return
+        await self._llm.reset_mm_cache()
+        await self._llm.reset_encoder_cache()
+        self._mm_cache_resets += 1
 
     async def checksum(self, names: list[str]) -> str:
         """Digest of the (replicated) parameters `names`; every TP worker must report the
@@ -544,6 +573,7 @@ class VLLMEngine:
                            prefix_cache_queries=int(values.get("vllm:prefix_cache_queries_total", 0)),
                            prefix_cache_hits=int(values.get("vllm:prefix_cache_hits_total", 0)),
                            paused=self._paused, prefix_reset_refused=self._reset_refused,
+                           mm_cache_resets=self._mm_cache_resets,
                            connector_queries=int(values.get("vllm:external_prefix_cache_queries_total", 0)),
                            connector_hits=int(values.get("vllm:external_prefix_cache_hits_total", 0)))
 
@@ -567,6 +597,14 @@ def read_vllm_samples() -> dict[str, float]:
             if sample.name in STAT_SAMPLES:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
+
+
+def _expansion_mismatch(expected: list[int], expanded: list[int]) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(expected, expanded)) if a != b), min(len(expected), len(expanded)))
+    return (f"vLLM expanded the request's images into {len(expanded)} prompt ids where the model's processor "
+            f"gave {len(expected)} (first difference at position {at}): the processor in the model folder "
+            "and vLLM's disagree on this image's tokens, so the trajectory would train on ids the engine "
+            "never saw; check the processor config (image size, splitting) against vLLM's model")
 
 
 def _finish_reason(reason: str | None) -> FinishReason:

@@ -10,6 +10,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from envs.types import TrajectoryImage
 from rollout.engine import EngineSpec, EngineStats, Sampling, TokenOutput, VLLMEngine
 from rollout.kv_residency import KvResidencyDelta
 
@@ -29,8 +30,9 @@ class EngineActor:
     async def start(self) -> None:
         await self.engine.start()
 
-    async def generate(self, request_id: str, prompt_ids: np.ndarray, sampling: Sampling) -> TokenOutput:
-        return await self.engine.generate(request_id, prompt_ids, sampling)
+    async def generate(self, request_id: str, prompt_ids: np.ndarray, sampling: Sampling,
+                       images: tuple[TrajectoryImage, ...] = ()) -> TokenOutput:
+        return await self.engine.generate(request_id, prompt_ids, sampling, images)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self.engine.abort(request_ids)
@@ -71,12 +73,12 @@ class RayEngineClient:
         self.handle = handle
 
     async def generate(self, request_id: str, prompt_ids: np.ndarray | list[int],
-                       sampling: Sampling) -> TokenOutput:
+                       sampling: Sampling, images: tuple[TrajectoryImage, ...] = ()) -> TokenOutput:
         """Cancelling this call cancels the actor's task too, whose cancellation aborts the
         request in vLLM. Cancelling only the wait here would leave the request running:
         its tokens wasted, its KV blocks held through the next push (a refused prefix
         reset), and the caller's retry of the turn racing it."""
-        ref = self.handle.generate.remote(request_id, np.asarray(prompt_ids, np.int32), sampling)
+        ref = self.handle.generate.remote(request_id, np.asarray(prompt_ids, np.int32), sampling, images)
         try:
             return await ref
         except asyncio.CancelledError:

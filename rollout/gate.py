@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from envs.types import TrajectoryImage
     from rollout.engine import Sampling, TokenOutput
     from rollout.router import Router
 
@@ -85,9 +86,10 @@ class LocalTurns:
         self.router, self.gate = router, gate
 
     async def generate_turn(self, router_session: str, request_id: str,
-                            prompt_ids: Sequence[int] | np.ndarray, sampling: Sampling) -> GeneratedTurn:
+                            prompt_ids: Sequence[int] | np.ndarray, sampling: Sampling,
+                            images: tuple[TrajectoryImage, ...] = ()) -> GeneratedTurn:
         ids = prompt_ids if isinstance(prompt_ids, (np.ndarray, list)) else list(prompt_ids)
         async with self.gate.turn() as queue_s:
             start = time.monotonic()
-            routed = await self.router.generate(router_session, request_id, ids, sampling)
+            routed = await self.router.generate(router_session, request_id, ids, sampling, images)
         return GeneratedTurn(routed.output, routed.engine, queue_s, time.monotonic() - start)

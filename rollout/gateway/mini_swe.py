@@ -158,7 +158,7 @@ class MiniSweAgentLoop(GatewayAgentLoop):
         env = SandboxEnvironment(ctx.env.sandbox, asyncio.get_running_loop(),
                                  timeout_s=ctx.env.sandbox.settings.exec_timeout_s)
         agent = self.build_agent(endpoint, env, self.step_limit or ctx.settings.max_turns)
-        text = "\n\n".join(m.content for m in task.messages if m.role == "user")
+        text = "\n\n".join(m.text for m in task.messages if m.role == "user")
         try:
             result = await asyncio.to_thread(agent.run, text)
         finally:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.types import TerminationReason, Trajectory
+from envs.types import TerminationReason, Trajectory, TrajectoryImage
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
 from rollout.gateway.journal import JournalError, journal_path, read_journal, rebuild_session, remove_journal
@@ -69,10 +69,12 @@ class ChatSpec:
 
     def build(self) -> tuple[Any, Any]:
         from rollout.chat import build_continuity_builder, load_tokenizer
+        from rollout.vision import load_image_expander
 
         tokenizer = load_tokenizer(self.model_path)
         chat = build_continuity_builder(tokenizer, self.family, self.keep_thinking, self.template_kwargs,
-                                        tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
+                                        tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser,
+                                        images=load_image_expander(self.model_path))
         return tokenizer, chat
 
 
@@ -146,10 +148,10 @@ class RemoteTurns:
         self.peer = peer
 
     async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int] | np.ndarray,
-                            sampling: Sampling) -> GeneratedTurn:
+                            sampling: Sampling, images: tuple[TrajectoryImage, ...] = ()) -> GeneratedTurn:
         # An array pickles as one buffer; a list of numpy scalars would pickle each id.
         ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
-        return await self.peer.call("generate_turn", router_session, request_id, ids, sampling)
+        return await self.peer.call("generate_turn", router_session, request_id, ids, sampling, images)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,26 +10,49 @@ anything the gateway cannot honour exactly is refused with a `ProtocolError` (th
 protocol's error shape, rollout.gateway.refusals), never ignored. Fields without effect
 (seed, user, metadata, ...) are type-checked too; unknown fields are ignored, as
 harnesses send vendor extras.
+
+Images (OpenAI `image_url` parts with a base64 data URL, Anthropic base64 `image` blocks)
+become `envs.types.Image` parts of the message content, in order with the text: the bytes
+as sent, checked here to decode as an image within MAX_IMAGE_BYTES and MAX_IMAGE_PIXELS.
+A message without images keeps its content as one string.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import io
 import json
+import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from envs.types import Message, ToolCall
+from envs.types import Content, Image, Message, ToolCall
 from rollout.gateway.refusals import (DEFAULT_MAX_JSON_DEPTH, Protocol, ProtocolError, check_fields, checked_field,
-                                      load_json, require, unsupported, wrong_type)
+                                      invalid, load_json, require, unsupported, wrong_type)
 
-__all__ = ["Protocol", "ProtocolError", "TurnReply", "TurnRequest", "anthropic_response", "anthropic_stream",
+__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "Protocol", "ProtocolError", "TurnReply", "TurnRequest",
+           "anthropic_response", "anthropic_stream",
            "extension_suffix", "openai_response", "openai_stream", "parse_anthropic_request",
            "parse_openai_request", "same_reply"]
 
 MAX_STOP_SEQUENCES = 16  # each is encoded on the event loop (a stop must be one token)
+# An image's encoded bytes at most: Anthropic's own per-image cap, so whatever a harness
+# sends to the real APIs fits (the body cap, GatewaySettings.max_body_bytes, bounds all
+# of a request's images together).
+MAX_IMAGE_BYTES = 5 * 2**20
+# An image's decoded size at most (8K UHD). A few KiB of PNG can declare a huge blank
+# canvas that costs gigabytes of RGB once decoded (here, by the processor, by vLLM);
+# processors downscale anything this large anyway.
+MAX_IMAGE_PIXELS = 7680 * 4320
+# Anthropic's image media types; OpenAI data URLs take any image/* type that decodes.
+_ANTHROPIC_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +122,103 @@ def _object(value: Any, param: str) -> Mapping[str, Any]:
     return value
 
 
+# -- images -------------------------------------------------------------------------------------
+# SHA-256 digests of images that decoded before (most recent last). A harness re-sends its
+# whole history on every request, so without this each screenshot of a session would be
+# decoded again every turn (tens of ms each); keyed by content, so sessions share it.
+_NUM_DECODED_REMEMBERED = 4096  # x 32-byte digests
+_decoded: OrderedDict[bytes, None] = OrderedDict()
+_decoded_lock = threading.Lock()  # parsing runs on several worker threads
+
+
+def _check_decodes(data: bytes, param: str) -> None:
+    """Refuse (400, naming `param`) bytes that are not a whole image of at most
+    MAX_IMAGE_PIXELS: the size is read from the header before any pixel is decoded."""
+    digest = hashlib.sha256(data).digest()
+    with _decoded_lock:
+        if digest in _decoded:
+            _decoded.move_to_end(digest)
+            return
+    from PIL import Image as PILImage
+
+    try:
+        with PILImage.open(io.BytesIO(data)) as opened:
+            width, height = opened.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise invalid(param, f"{param}: the image is {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} "
+                                     "pixels (8K UHD) are accepted: send it scaled down")
+            opened.load()  # a truncated or corrupt file fails here, not in the processor later
+    except ProtocolError:
+        raise
+    # Broad on purpose: PIL's decoders report corrupt input as OSError, SyntaxError,
+    # ValueError, EOFError, struct.error or DecompressionBombError, by format; any of
+    # them is the client's bytes, a 400, never a 500.
+    except Exception as exc:
+        raise invalid(param, f"{param}: the image data cannot be decoded as an image "
+                             f"({type(exc).__name__}: {str(exc):.200}); send a PNG, JPEG, GIF or WebP file") from exc
+    with _decoded_lock:
+        _decoded[digest] = None
+        if len(_decoded) > _NUM_DECODED_REMEMBERED:
+            _decoded.popitem(last=False)
+
+
+def _image(data_b64: str, media_type: str, param: str, max_image_bytes: int) -> Image:
+    """A base64 image from a request -> Image (the decoded bytes as sent, `media_type` as
+    declared); 400 naming `param` for a non-image type, bad base64, too many bytes or
+    bytes that do not decode as an image."""
+    require(media_type.startswith("image/") and len(media_type) > len("image/"), param,
+            f"{param}: media type {media_type!r:.60} is not an image type (image/png, image/jpeg, ...)")
+    try:
+        # validate=True: characters outside the base64 alphabet are an error, not skipped
+        data = base64.b64decode(data_b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise invalid(param, f"{param}: the image data is not valid base64 ({exc}); send standard base64 "
+                             "(A-Z a-z 0-9 + /, '=' padding, no line breaks)") from exc
+    require(bool(data), param, f"{param}: the image data is empty")
+    require(len(data) <= max_image_bytes, param,
+            f"{param}: the image is {len(data)} bytes; at most {max_image_bytes} bytes per image are accepted: "
+            "send it scaled down or compressed")
+    _check_decodes(data, param)
+    return Image(data, media_type)
+
+
+# data:[<media type>][;<parameter>]...[;base64],<data> (RFC 2397)
+_DATA_URL = re.compile(r"data:([^,;]*)((?:;[^,;]*)*),", re.IGNORECASE)
+
+
+def _data_url_image(url: str, param: str, max_image_bytes: int) -> Image:
+    """An OpenAI image_url.url: only a base64 data URL. The gateway fetches nothing on a
+    harness's behalf (the run has no network, and a URL's content may change between
+    requests, which would make a segment's image differ from the one recorded)."""
+    head = _DATA_URL.match(url)
+    if head is None:
+        scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
+        if scheme in ("http", "https"):
+            raise unsupported(param, f"{param}: image URLs are not fetched by the gateway; send the image inline "
+                                     "as a base64 data URL (data:image/png;base64,...)")
+        raise invalid(param, f"{param}: must be a base64 data URL (data:image/png;base64,...), got "
+                             f"{url[:40]!r}{'...' if len(url) > 40 else ''}")
+    media_type, params = head.group(1).strip().lower(), head.group(2).lower().split(";")
+    require("base64" in (p.strip() for p in params), param,
+            f"{param}: the data URL must be base64-encoded (data:{media_type or 'image/png'};base64,...)")
+    return _image(url[head.end():], media_type, param, max_image_bytes)
+
+
+def _content(parts: Sequence[str | Image]) -> Content:
+    """Message content from parts in order: one string when there is no image (as before
+    images were taken), else text and images with adjacent texts joined, empty ones left
+    out (the templates render parts with nothing between them, so the ids are the same)."""
+    if not any(isinstance(p, Image) for p in parts):
+        return "".join(p for p in parts if isinstance(p, str))
+    out: list[str | Image] = []
+    for part in parts:
+        if isinstance(part, str) and out and isinstance(out[-1], str):
+            out[-1] += part
+        elif not isinstance(part, str) or part:
+            out.append(part)
+    return tuple(out)
+
+
 # -- OpenAI chat completions ----------------------------------------------------------------
 _OPENAI_ROLES = ("system", "user", "assistant", "tool")
 # Accepted without effect (docs/gateway.md), so only their types are checked.
@@ -107,22 +227,36 @@ _OPENAI_IGNORED = {"seed": "an integer", "user": "a string", "metadata": "an obj
                    "reasoning_effort": "a string"}
 
 
-def _openai_text(content: Any, param: str) -> str:
+# The content part types each role takes (OpenAI: system and assistant text only; tool
+# results may hold images, as harnesses return screenshots from tools).
+_OPENAI_PARTS = {"system": ("text",), "assistant": ("text",), "user": ("text", "image_url"),
+                 "tool": ("text", "image_url")}
+
+
+def _openai_content(content: Any, param: str, role: str, max_image_bytes: int) -> Content:
+    """A message's content: a string, or text and image_url parts (as `_content` joins them)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise wrong_type(param, "a string or an array of content parts", content)
-    texts = []
+    parts: list[str | Image] = []
     for k, part in enumerate(content):
         where = f"{param}[{k}]"
         kind = checked_field(_object(part, where), "type", f"{where}.type", "a string", required=True)
-        if kind != "text":
-            raise unsupported(f"{where}.type", f"{where}: only text content parts are supported, got "
-                                               f"{kind!r:.40} (images, audio and files are not)")
-        texts.append(checked_field(part, "text", f"{where}.text", "a string", required=True))
-    return "".join(texts)
+        if kind not in ("text", "image_url"):
+            raise unsupported(f"{where}.type", f"{where}: only text and image_url content parts are supported, "
+                                               f"got {kind!r:.40} (audio, files and refusals are not)")
+        require(kind in _OPENAI_PARTS[role], f"{where}.type", f"{where}: {role} messages take text parts only")
+        if kind == "text":
+            parts.append(checked_field(part, "text", f"{where}.text", "a string", required=True))
+            continue
+        image_url = checked_field(part, "image_url", f"{where}.image_url", "an object", required=True)
+        checked_field(image_url, "detail", f"{where}.image_url.detail", "a string")  # no effect: the processor sizes
+        url = checked_field(image_url, "url", f"{where}.image_url.url", "a string", required=True)
+        parts.append(_data_url_image(url, f"{where}.image_url.url", max_image_bytes))
+    return _content(parts)
 
 
 def _arguments(raw: Any, param: str, max_depth: int) -> dict[str, Any]:
@@ -186,7 +320,7 @@ def _openai_tool_calls(m: Mapping[str, Any], where: str, names: dict[str, str],
     return tuple(calls)
 
 
-def _openai_messages(raw: list[Any], max_depth: int) -> list[Message]:
+def _openai_messages(raw: list[Any], max_depth: int, max_image_bytes: int) -> list[Message]:
     messages: list[Message] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for the tool messages
     for i, m in enumerate(raw):
@@ -199,20 +333,20 @@ def _openai_messages(raw: list[Any], max_depth: int) -> list[Message]:
         require(role in _OPENAI_ROLES, f"{where}.role",
                 f"{where}: unknown role {role!r:.40} (system, developer, user, assistant or tool)")
         name = checked_field(m, "name", f"{where}.name", "a string")
-        text = _openai_text(m.get("content"), f"{where}.content")
+        content = _openai_content(m.get("content"), f"{where}.content", role, max_image_bytes)
         if role == "assistant":
             calls = _openai_tool_calls(m, where, names, max_depth)
             checked_field(m, "refusal", f"{where}.refusal", "a string")
             reasoning = checked_field(m, "reasoning_content", f"{where}.reasoning_content", "a string")
-            messages.append(Message("assistant", text, calls, reasoning=reasoning))
+            messages.append(Message("assistant", content, calls, reasoning=reasoning))
             continue
         require(m.get("tool_calls") is None, f"{where}.tool_calls",
                 f"{where}: only assistant messages carry tool_calls")
         if role == "tool":
             call_id = checked_field(m, "tool_call_id", f"{where}.tool_call_id", "a string")
-            messages.append(Message("tool", text, name=names.get(call_id or "") or name))
+            messages.append(Message("tool", content, name=names.get(call_id or "") or name))
         else:
-            messages.append(Message(role, text))
+            messages.append(Message(role, content))
     return messages
 
 
@@ -245,9 +379,11 @@ def _openai_tool_choice(choice: Any) -> bool:
     raise wrong_type("tool_choice", "'auto', 'none', 'required' or an object", choice)
 
 
-def parse_openai_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> TurnRequest:
+def parse_openai_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                         max_image_bytes: int = MAX_IMAGE_BYTES) -> TurnRequest:
     """An OpenAI chat-completions body (decoded JSON) -> TurnRequest; ProtocolError(400)
-    names the field and what it must be. `max_json_depth` bounds tool-call arguments."""
+    names the field and what it must be. `max_json_depth` bounds tool-call arguments,
+    `max_image_bytes` each image's decoded bytes."""
     require(isinstance(body, Mapping), "", "the request body must be a JSON object")
     checked_field(body, "model", "model", "a string")
     raw = _nonempty_array(body, "messages")
@@ -257,7 +393,7 @@ def parse_openai_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     check_fields(body, _OPENAI_IGNORED)
     _refuse_sampling_changes(body)
     _refuse_openai_features(body)
-    messages = _openai_messages(raw, max_json_depth)
+    messages = _openai_messages(raw, max_json_depth, max_image_bytes)
     tools = _openai_tools(checked_field(body, "tools", "tools", "an array") or [])
     parse_tools = _openai_tool_choice(body.get("tool_choice"))
     max_completion_tokens, max_tokens = _positive(body, "max_completion_tokens"), _positive(body, "max_tokens")
@@ -272,13 +408,14 @@ def parse_openai_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
 
 # -- Anthropic messages -----------------------------------------------------------------------
 # The content blocks each place takes; other known blocks are misplaced (invalid), unknown
-# ones (image, document, server tool results, ...) unsupported.
-_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
-           "system": ("text",), "tool_result": ("text",)}
+# ones (document, server tool results, ...) unsupported.
+_BLOCKS = {"user": ("text", "image", "tool_result"),
+           "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+           "system": ("text",), "tool_result": ("text", "image")}
 _KNOWN_BLOCKS = {kind for kinds in _BLOCKS.values() for kind in kinds}
-_BLOCK_FIELDS = {"text": {"text": "a string"}, "tool_use": {"id": "a string", "name": "a string"},
-                 "tool_result": {"tool_use_id": "a string"}, "thinking": {"thinking": "a string"},
-                 "redacted_thinking": {"data": "a string"}}
+_BLOCK_FIELDS = {"text": {"text": "a string"}, "image": {"source": "an object"},
+                 "tool_use": {"id": "a string", "name": "a string"}, "tool_result": {"tool_use_id": "a string"},
+                 "thinking": {"thinking": "a string"}, "redacted_thinking": {"data": "a string"}}
 _ANTHROPIC_IGNORED = {"metadata": "an object", "service_tier": "a string"}
 
 
@@ -292,9 +429,9 @@ def _anthropic_blocks(content: Any, param: str, place: str) -> list[Mapping[str,
         where = f"{param}.{k}"
         kind = checked_field(_object(block, where), "type", f"{where}.type", "a string", required=True)
         if kind not in _KNOWN_BLOCKS:
-            raise unsupported(f"{where}.type", f"unsupported content block {kind!r:.40} (text, tool_use, "
+            raise unsupported(f"{where}.type", f"unsupported content block {kind!r:.40} (text, image, tool_use, "
                                                "tool_result and thinking only)")
-        require(kind in _BLOCKS[place], f"{where}.type", f"a {kind} block is not allowed in {place} content")
+        require(kind in _BLOCKS[place], f"{where}.type", f"{kind} blocks are not allowed in {place} content")
         for key, expected in _BLOCK_FIELDS[kind].items():
             checked_field(block, key, f"{where}.{key}", expected, required=True)
         checked_field(block, "cache_control", f"{where}.cache_control", "an object")
@@ -305,16 +442,44 @@ def _anthropic_blocks(content: Any, param: str, place: str) -> list[Mapping[str,
     return content
 
 
-def _tool_result_text(block: Mapping[str, Any], param: str) -> str:
+def _anthropic_image(source: Mapping[str, Any], param: str, max_image_bytes: int) -> Image:
+    """An image block's source: base64 only (url and file sources would need the gateway to
+    fetch or look up content on the harness's behalf)."""
+    kind = checked_field(source, "type", f"{param}.type", "a string", required=True)
+    if kind in ("url", "file"):
+        raise unsupported(f"{param}.type", f"{param}: {kind} image sources are not supported (the gateway fetches "
+                                           'nothing); send the image inline: {"type": "base64", '
+                                           '"media_type": "image/png", "data": ...}')
+    require(kind == "base64", f"{param}.type", f"'{param}.type' must be base64, url or file, got {kind!r:.40}")
+    media_type = checked_field(source, "media_type", f"{param}.media_type", "a string", required=True)
+    require(media_type in _ANTHROPIC_MEDIA_TYPES, f"{param}.media_type",
+            f"'{param}.media_type' must be one of {', '.join(_ANTHROPIC_MEDIA_TYPES)}, got {media_type!r:.60}")
+    data = checked_field(source, "data", f"{param}.data", "a string", required=True)
+    return _image(data, media_type, f"{param}.data", max_image_bytes)
+
+
+def _blocks_content(blocks: Sequence[Mapping[str, Any]], param: str, max_image_bytes: int) -> Content:
+    """The text and image blocks of checked `blocks`, in order, as message content."""
+    parts: list[str | Image] = []
+    for k, b in enumerate(blocks):
+        if b["type"] == "text":
+            parts.append(b["text"])
+        elif b["type"] == "image":
+            parts.append(_anthropic_image(b["source"], f"{param}.{k}.source", max_image_bytes))
+    return _content(parts)
+
+
+def _tool_result_content(block: Mapping[str, Any], param: str, max_image_bytes: int) -> Content:
     content = block.get("content")
     if content is None:
         return ""
-    return "".join(b["text"] for b in _anthropic_blocks(content, f"{param}.content", "tool_result"))
+    param = f"{param}.content"
+    return _blocks_content(_anthropic_blocks(content, param, "tool_result"), param, max_image_bytes)
 
 
-def _anthropic_messages(raw: list[Any]) -> list[Message]:
+def _anthropic_messages(raw: list[Any], max_image_bytes: int) -> list[Message]:
     """A user turn holding tool_result blocks becomes tool messages (in order), then a
-    user message for any text beside them."""
+    user message for any text and images beside them."""
     messages: list[Message] = []
     names: dict[str, str] = {}
     for i, m in enumerate(raw):
@@ -323,21 +488,22 @@ def _anthropic_messages(raw: list[Any]) -> list[Message]:
         require(role in ("user", "assistant"), f"{where}.role",
                 f"{where}: role must be 'user' or 'assistant', got {role!r:.40}")
         blocks = _anthropic_blocks(m.get("content"), f"{where}.content", role)
-        text = "".join(b["text"] for b in blocks if b["type"] == "text")
         if role == "assistant":
             calls = []
             for b in blocks:
                 if b["type"] == "tool_use":
                     calls.append(ToolCall(b["name"], dict(b.get("input") or {})))
                     names[b["id"]] = b["name"]
+            text = "".join(b["text"] for b in blocks if b["type"] == "text")
             messages.append(Message("assistant", text, tuple(calls)))
             continue
         results = [(k, b) for k, b in enumerate(blocks) if b["type"] == "tool_result"]
         for k, b in results:
-            messages.append(Message("tool", _tool_result_text(b, f"{where}.content.{k}"),
+            messages.append(Message("tool", _tool_result_content(b, f"{where}.content.{k}", max_image_bytes),
                                     name=names.get(b["tool_use_id"])))
-        if text or not results:
-            messages.append(Message("user", text))
+        content = _blocks_content(blocks, f"{where}.content", max_image_bytes)
+        if content or not results:
+            messages.append(Message("user", content))
     if raw[-1]["role"] == "assistant":
         raise unsupported(f"messages.{len(raw) - 1}", "a final assistant message (a prefill to continue) is not "
                                                       "supported: the gateway samples a new assistant turn")
@@ -393,10 +559,12 @@ def _refuse_anthropic_features(body: Mapping[str, Any]) -> None:
             raise unsupported(name, f"'{name}' is not supported through the gateway")
 
 
-def parse_anthropic_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH) -> TurnRequest:
+def parse_anthropic_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DEPTH,
+                            max_image_bytes: int = MAX_IMAGE_BYTES) -> TurnRequest:
     """An Anthropic messages body (decoded JSON) -> TurnRequest; ProtocolError(400) names
-    the field and what it must be. (`max_json_depth`: tool inputs arrive decoded; kept for
-    the same signature as parse_openai_request.)"""
+    the field and what it must be; `max_image_bytes` bounds each image's decoded bytes.
+    (`max_json_depth`: tool inputs arrive decoded; kept for the same signature as
+    parse_openai_request.)"""
     require(isinstance(body, Mapping), "", "the request body must be a JSON object")
     checked_field(body, "model", "model", "a string")
     raw = _nonempty_array(body, "messages")
@@ -404,7 +572,7 @@ def parse_anthropic_request(body: Any, max_json_depth: int = DEFAULT_MAX_JSON_DE
     require(max_tokens > 0, "max_tokens", f"'max_tokens' must be a positive integer, got {max_tokens}")
     check_fields(body, _ANTHROPIC_IGNORED)
     _refuse_anthropic_features(body)
-    messages = _anthropic_system(body.get("system")) + _anthropic_messages(raw)
+    messages = _anthropic_system(body.get("system")) + _anthropic_messages(raw, max_image_bytes)
     tools = _anthropic_tools(checked_field(body, "tools", "tools", "an array") or [])
     parse_tools = _anthropic_tool_choice(body.get("tool_choice"))
     top_k = checked_field(body, "top_k", "top_k", "an integer")
@@ -505,7 +673,7 @@ def anthropic_stream(reply: TurnReply) -> Iterator[str]:
 def same_reply(sent: Message, echoed: Message) -> bool:
     """Whether the harness sent back the assistant turn the gateway returned. Reasoning is
     not compared (harnesses drop or keep it as they like; the ids keep what was sampled)."""
-    return echoed.role == "assistant" and echoed.content.strip() == sent.content.strip() and \
+    return echoed.role == "assistant" and echoed.text.strip() == sent.text.strip() and \
         tuple(echoed.tool_calls) == tuple(sent.tool_calls)
 
 

@@ -57,7 +57,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from envs.types import Message, TerminationReason, Trajectory
+from envs.types import Message, TerminationReason, Trajectory, TrajectoryImage
 from rollout.chat import ContinuityBuilder, encode
 from rollout.engine import Sampling
 from rollout.gate import GeneratedTurn, LocalTurns, TurnGate
@@ -71,6 +71,7 @@ from rollout.gateway.refusals import Protocol as WireProtocol
 from rollout.parsers import parse_generation
 from rollout.recorder import Budgets, TrajectoryRecorder
 from rollout.router import Router
+from rollout.vision import for_engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -180,7 +181,7 @@ class TurnService(Protocol):
     process (LocalTurns) or in the worker's, for a gateway process (rollout.gateway.procs)."""
 
     async def generate_turn(self, router_session: str, request_id: str, prompt_ids: Sequence[int] | np.ndarray,
-                            sampling: Sampling) -> GeneratedTurn: ...
+                            sampling: Sampling, images: tuple[TrajectoryImage, ...] = ()) -> GeneratedTurn: ...
 
 
 class Gateway:
@@ -411,8 +412,9 @@ class Gateway:
     def _check_fits(self, messages: Sequence[Message], room: int) -> None:
         """Refuse, before rendering, text that cannot fit in `room` tokens: system, user and
         tool text is rendered verbatim (assistant turns may be trimmed of reasoning, so
-        they are not counted) and no token covers more than max_token_chars characters."""
-        chars = sum(len(m.content.strip()) for m in messages if m.role != "assistant")
+        they are not counted) and no token covers more than max_token_chars characters.
+        Images are not counted (their runs only add tokens), so the bound stays a lower one."""
+        chars = sum(len(m.text.strip()) for m in messages if m.role != "assistant")
         least = -(-chars // self.max_token_chars)
         if chars and least >= room:
             raise ProtocolError(400, f"the request cannot fit this session's budget: its system, user and tool "
@@ -464,7 +466,7 @@ class Gateway:
         session.journal.dispatched(call, len(rec.context_ids))
         try:
             turn = await self.turns.generate_turn(session.router_session, f"{session.router_session}#{call}",
-                                                  rec.context_ids, sampling)
+                                                  rec.context_ids, sampling, for_engine(rec.images))
         except BaseException:  # cancellation included: journaled as recording nothing, then re-raised
             session.journal.failed(call)
             raise
@@ -508,8 +510,9 @@ class Gateway:
 
 
 def _num_chars(messages: Sequence[Message]) -> int:
-    """About how much text rendering `messages` handles (which lane it runs on)."""
-    return sum(len(m.content) + len(m.reasoning or "") for m in messages)
+    """About how much work rendering `messages` is (which lane it runs on): their text, and
+    each image's encoded bytes, which the processor decodes and expands on the same thread."""
+    return sum(len(m.text) + len(m.reasoning or "") + sum(len(i.data) for i in m.images) for m in messages)
 
 
 def _token_of(headers: Mapping[str, str]) -> str | None:

@@ -186,7 +186,8 @@ async def test_tokens_are_per_session(tokenizer, chat):
     ({"messages": HEAD, "logit_bias": {"5": 10}}, "openai", "logit_bias"),
     ({"messages": HEAD, "frequency_penalty": 0.5}, "openai", "frequency_penalty"),
     ({"messages": HEAD, "logprobs": True}, "openai", "logprobs"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "openai", "text"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}]}]},
+     "openai", "data URL"),  # images come inline (tests/unit/test_gateway_images.py)
     ({"messages": [{"role": "user", "content": "x"}]}, "anthropic", "max_tokens"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "anthropic", "role"),
     ("not an object", "anthropic", "JSON object"),
@@ -406,12 +407,12 @@ def test_openai_fields_of_the_wrong_type_are_named(body, param, reason):
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type", "invalid"),
     ({"system": 5}, "system", "invalid"),
     ({"system": [{"type": "text"}]}, "system.0.text", "invalid"),
-    ({"system": [{"type": "image"}]}, "system.0.type", "unsupported"),
+    ({"system": [{"type": "image"}]}, "system.0.type", "invalid"),  # user content and tool results only
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid"),
     ({"messages": [{"role": "user"}]}, "messages.0.content", "invalid"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "invalid"),
     ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages.0.content.0.type", "invalid"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type",
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0.type",
      "unsupported"),
     ({"messages": [{"role": "user", "content": [TOOL_USE["content"][0]]}]}, "messages.0.content.0.type",
      "invalid"),  # a tool_use block in a user turn
@@ -421,7 +422,7 @@ def test_openai_fields_of_the_wrong_type_are_named(body, param, reason):
                                                                 "input": "x"}]}, USER[0]]},
      "messages.1.content.0.input", "invalid"),
     ({"messages": [USER[0], TOOL_USE, {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image", "source": {}}]}]}]},
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "document", "source": {}}]}]}]},
      "messages.2.content.0.content.0.type", "unsupported"),
     ({"messages": [USER[0], TOOL_USE, {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
      "messages.2.content.0.tool_use_id", "invalid"),

@@ -57,7 +57,8 @@ class ClusterConfig:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str = knob("", "Hugging Face model folder of the policy (required), or 'tiny' for "
-                     "the locally built ~0.5M-parameter test model (built once, then cached).")
+                     "the locally built ~0.5M-parameter test model, 'tiny-vl' for its vision-language "
+                     "twin (a tiny Idefics3; built once, then cached).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "Weights and compute dtype; auto: bfloat16 on cuda, float32 on cpu.")
     max_context_tokens: int = knob(4096, "Longest sequence (prompt + all turns) an engine "

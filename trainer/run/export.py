@@ -55,10 +55,10 @@ def find_model_files(checkpoint: Path, model: str | None = None) -> Path:
             raise ValueError(f"{checkpoint} keeps no model files and its run warm-started "
                              f"from {model_cfg.get('path')!r} ({model_cfg['warm_start']}); pass "
                              "--model with the warm-started folder (its config and tokenizer)")
-        if model_cfg.get("path") == "tiny":
-            from trainer.run.tiny_model import ensure_tiny_model
+        from trainer.run.local_models import local_model_folder
 
-            return ensure_tiny_model()
+        if (local := local_model_folder(str(model_cfg.get("path", "")))) is not None:
+            return local
         if model_cfg.get("path") and (Path(model_cfg["path"]) / "config.json").is_file():
             return Path(model_cfg["path"])
     raise ValueError(f"{checkpoint} keeps no model files ({MODEL_FILES}/) and no run "

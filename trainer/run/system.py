@@ -86,12 +86,13 @@ def resolve_run_place(cfg: SluiceConfig, recipe_name: str) -> RunPlace:
 
 
 def resolve_model_path(path: str) -> Path:
-    """A model folder: `path`, or the tiny test model (built on first use) for 'tiny'."""
-    from trainer.run.tiny_model import ensure_tiny_model
+    """A model folder: `path`, or a local test model (trainer.run.local_models, built on
+    first use) for 'tiny' or 'tiny-vl'."""
+    from trainer.run.local_models import LOCAL_MODELS_HELP, local_model_folder
 
     if not path:
-        raise ValueError("model.path is required: a Hugging Face model folder, or 'tiny'")
-    return ensure_tiny_model() if path == "tiny" else Path(path)
+        raise ValueError(f"model.path is required: a Hugging Face model folder, or {LOCAL_MODELS_HELP}")
+    return local_model_folder(path) or Path(path)
 
 
 def resolve_model(cfg: SluiceConfig) -> str:
@@ -294,6 +295,7 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     from envs.tasks import load_tasks
     from rollout.chat import decode_text, load_tokenizer
     from rollout.template_check import check_template
+    from rollout.vision import load_image_expander
     from trainer.run.checkpoint import RunState, load_checkpoint, save_checkpoint
     from trainer.run.pools import StartupError
     from trainer.train.weight_sync import resolve_transport
@@ -310,7 +312,8 @@ async def _run(cfg: SluiceConfig, place: RunPlace, signals: StopSignals,
     # The chat family, its parsers and keep_thinking against the model's own template,
     # before any engine starts: a mismatch would corrupt every trajectory's ids.
     check_template(tokenizer, cfg.agent.chat_family, cfg.agent.keep_thinking,
-                   tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser)
+                   tool_parser=cfg.agent.tool_parser, reasoning_parser=cfg.agent.reasoning_parser,
+                   images=load_image_expander(model_path))
     durable = durable_setup(run_dir, place.resume_from)
     parts: Parts | None = None
     try:

@@ -38,6 +38,7 @@ from envs.types import Task
 from rollout.agent_loop import check_agent_loop
 from rollout.reward_plugins import check_reward_fn
 from trainer.run.config import SluiceConfig
+from trainer.run.local_models import LOCAL_MODELS_HELP, local_model_folder
 from trainer.run.warm_start import load_warm_start
 from trainer.train.backends import load_train_backend
 
@@ -189,7 +190,7 @@ def _model_problems(key: str, path: str) -> list[str]:
     folder = _model_folder(path)
     if not folder.is_dir():
         return [f"{key}: {path!r} is not a folder; give a Hugging Face model folder "
-                "(config.json, weights, tokenizer) or 'tiny' for the local test model"]
+                f"(config.json, weights, tokenizer) or {LOCAL_MODELS_HELP}"]
     out = []
     config = folder / "config.json"
     try:
@@ -206,11 +207,8 @@ def _model_problems(key: str, path: str) -> list[str]:
 
 
 def _model_folder(path: str) -> Path:
-    if path == "tiny":
-        from trainer.run.tiny_model import ensure_tiny_model
-
-        return ensure_tiny_model()  # built once into the cache; what the run uses
-    return Path(path).expanduser()
+    # A local test model is built once into the cache: what the run uses.
+    return local_model_folder(path) or Path(path).expanduser()
 
 
 def _load_tokenizer(folder: Path) -> "PreTrainedTokenizerBase | None":
@@ -228,13 +226,16 @@ def _chat_problems(cfg: SluiceConfig) -> list[str]:
     against the policy's chat template (rollout.template_check), as the run does it."""
     from rollout.template_check import check_template
 
+    from rollout.vision import load_image_expander
+
     a = cfg.agent
-    tokenizer = _load_tokenizer(_model_folder(cfg.model.path))
+    folder = _model_folder(cfg.model.path)
+    tokenizer = _load_tokenizer(folder)
     if tokenizer is None:  # _tokenizer_problems said so already
         return []
     try:
         check_template(tokenizer, a.chat_family, a.keep_thinking, tool_parser=a.tool_parser,
-                       reasoning_parser=a.reasoning_parser)
+                       reasoning_parser=a.reasoning_parser, images=load_image_expander(folder))
     except ValueError as exc:  # its message names the knob to change
         return [f"agent.chat_family: {exc}"]
     return []

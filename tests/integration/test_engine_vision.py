@@ -1,0 +1,187 @@
+"""Images through the chat layer and the real vLLM engine wrapper (tiny vision-language
+model): the continuity builder expands each image as the processor does, the engine sends
+vLLM the placeholders and the images and checks that vLLM arrives at the same ids, its
+logprobs equal transformers' with the pixel arrays the trajectory keeps, and a weight push
+resets the engine's encoder cache (a push with the reset switched off serves features the
+old vision tower computed: the check below catches it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+from PIL import Image as PILImage, ImageDraw
+
+from envs.types import Image, Message, ToolCall
+from rollout.chat import build_continuity_builder, check_continuity, load_tokenizer
+from rollout.engine import EngineSpec, Sampling, VLLMEngine
+from rollout.vision import PromptIds, for_engine, load_image_expander
+from trainer.run.tiny_vl_model import ensure_tiny_vl_model
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the engine fixture's loop
+
+
+def screen(colour: str, width: int = 120, height: int = 90) -> Image:
+    picture = PILImage.new("RGB", (width, height), "white")
+    ImageDraw.Draw(picture).rectangle([10, 10, width // 2, height // 2], fill=colour)
+    return Image.from_pil(picture)
+
+
+@pytest.fixture(scope="module")
+def vl_path():
+    return ensure_tiny_vl_model()
+
+
+@pytest.fixture(scope="module")
+def chat(vl_path):
+    return build_continuity_builder(load_tokenizer(vl_path), "auto", images=load_image_expander(vl_path))
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def vl_engine(vl_path):
+    engine = VLLMEngine(EngineSpec(model_path=str(vl_path), max_model_len=2048, enforce_eager=True,
+                                   kv_cache_memory_bytes=128 << 20, max_num_seqs=8))
+    await engine.start()
+    yield engine
+    engine.shutdown()
+
+
+def _model(path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _reference_logprobs(model, context: PromptIds, generated) -> np.ndarray:
+    """transformers' logprobs of `generated` after `context`, with the pixel arrays the
+    context's images carry (not re-derived)."""
+    ids = torch.tensor([list(context) + [int(t) for t in generated]])
+    pixels = torch.from_numpy(np.concatenate([i.inputs["pixel_values"] for i in context.images]))[None]
+    mask = torch.from_numpy(np.concatenate([i.inputs["pixel_attention_mask"] for i in context.images]))[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixels, pixel_attention_mask=mask).logits
+    logp = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[len(context) - 1:].numpy()
+
+
+def _perturbed(model, seed: int, prefix: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: (v + 0.2 * torch.randn(v.shape, generator=gen) if k.startswith(prefix) else v).contiguous()
+            for k, v in model.state_dict().items()}
+
+
+def _blob(state) -> bytes:
+    from safetensors.torch import save
+
+    return save(state)
+
+
+def _context(chat) -> PromptIds:
+    """A first prompt with an image, a tool call, and an observation with another image."""
+    prompt = chat.initial_prompt_ids([Message("system", "Answer with the colour."),
+                                      Message("user", ("What colour is the square? ", screen("red")))], None)
+    generated = chat.tokenizer.encode('<tool_call>\n{"name": "screenshot", "arguments": {}}\n</tool_call><|im_end|>',
+                                      add_special_tokens=False)
+    observation = chat.observation_ids([Message("tool", ("Screenshot:", screen("blue", 200, 100)),
+                                                 name="screenshot")], True)
+    images = (*prompt.images, *(i.shifted(len(prompt) + len(generated)) for i in observation.images))
+    return PromptIds([*prompt, *generated, *observation], images)
+
+
+def test_the_builder_expands_each_image_as_the_processor_does_and_continuity_holds(chat):
+    context = _context(chat)
+    assert len(context.images) == 2
+    image_id = chat.images.image_token_id
+    for image in context.images:
+        run = context[image.start:image.end]
+        tiles = image.inputs["pixel_values"].shape[0]  # up to 2 x 2 tiles and the whole image
+        assert run.count(image_id) == image.num_image_tokens == tiles * 16
+        assert image.prompt_ids == (image_id,)
+        assert image.inputs["pixel_values"].shape[1:] == (3, 112, 112)
+        assert image.inputs["pixel_attention_mask"].dtype == bool
+    # 120 x 90 is resized to 224 x 168: 2 x 2 tiles; 200 x 100 to 224 x 112: 2 x 1 (+ the whole each)
+    assert [i.inputs["pixel_values"].shape[0] for i in context.images] == [5, 3]
+    assert context.count(image_id) == (5 + 3) * 16  # no placeholder left unexpanded
+    messages = [Message("system", "Answer with the colour."),
+                Message("user", ("What colour is the square? ", screen("red"))),
+                Message("assistant", "", (ToolCall("screenshot", {}),)),
+                Message("tool", ("Screenshot:", screen("blue", 200, 100)), name="screenshot")]
+    assert check_continuity(chat.tokenizer, messages, None, context, images=chat.images) is None
+    # The re-render without expansion would not match: the check compares expanded ids.
+    assert check_continuity(chat.tokenizer, messages, None, context) is not None
+
+
+def test_text_with_the_placeholder_token_or_images_for_a_text_model_are_refused(chat, tiny_model_path):
+    with pytest.raises(ValueError, match="may not contain '<image>'"):
+        chat.observation_ids([Message("tool", "look: <image>", name="screenshot")], True)
+    text_chat = build_continuity_builder(load_tokenizer(tiny_model_path), "auto")
+    with pytest.raises(ValueError, match="takes no images"):
+        text_chat.initial_prompt_ids([Message("user", ("see ", screen("red")))], None)
+
+
+@in_module_loop
+async def test_engine_scores_an_image_context_like_transformers(vl_engine, chat, vl_path):
+    context = _context(chat)
+    out = await vl_engine.generate("vl-1", context, Sampling(max_new_tokens=12, seed=3, stop_token_ids=()),
+                                   for_engine(context.images))
+    assert out.num_prompt_tokens == len(context) and len(out.token_ids) == 12
+    ref = _reference_logprobs(_model(vl_path), context, out.token_ids)
+    assert np.abs(out.logprobs - ref).max() < 1e-4
+
+
+@in_module_loop
+async def test_a_context_whose_runs_vllm_expands_otherwise_fails_the_request(vl_engine, chat):
+    context = _context(chat)
+    wrong = list(context)
+    first = context.images[0]
+    del wrong[first.start + 2]  # one image token fewer in the first run than the processor made
+    shorter = (first.__class__(first.start, first.num_tokens - 1, first.image, first.prompt_ids, {}),
+               context.images[1].shifted(-1))
+    with pytest.raises(ValueError, match="vLLM expanded the request's images"):
+        await vl_engine.generate("vl-bad", wrong, Sampling(max_new_tokens=2), shorter)
+
+
+@in_module_loop
+async def test_a_push_resets_the_multimodal_caches_and_the_next_request_sees_the_new_vision_tower(
+        vl_engine, chat, vl_path):
+    context = _context(chat)
+    sampling = Sampling(max_new_tokens=8, seed=5, stop_token_ids=())
+    await vl_engine.generate("vl-warm", context, sampling, for_engine(context.images))  # caches its features
+    resets = vl_engine.stats().mm_cache_resets
+    model = _model(vl_path)
+    state = _perturbed(model, seed=2, prefix="model.vision_model.")
+    await vl_engine.update_weights(vl_engine.version + 1, blob=_blob(state))
+    assert vl_engine.stats().mm_cache_resets == resets + 1
+    out = await vl_engine.generate("vl-fresh", context, sampling, for_engine(context.images))
+    before = _reference_logprobs(model, context, out.token_ids)
+    model.load_state_dict(state)
+    after = _reference_logprobs(model, context, out.token_ids)
+    assert np.abs(out.logprobs - after).max() < 1e-4
+    assert np.abs(out.logprobs - before).max() > 1e-3  # the push changed what the images encode to
+
+
+async def test_without_the_resets_a_push_leaves_the_engine_unable_to_serve_a_cached_image(chat, vl_path, monkeypatch):
+    """The check above fails without the resets: vLLM's in-place reload clears the model
+    runner's encoder cache but not its scheduler's record of it, so the next request with
+    an image seen before is scheduled without encoding it and the engine dies."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    engine = VLLMEngine(EngineSpec(model_path=str(vl_path), max_model_len=2048, enforce_eager=True,
+                                   kv_cache_memory_bytes=128 << 20, max_num_seqs=8))
+    await engine.start()
+    try:
+        context = _context(chat)
+        sampling = Sampling(max_new_tokens=4, seed=5, stop_token_ids=())
+        await engine.generate("warm", context, sampling, for_engine(context.images))
+        monkeypatch.setattr(engine, "_reset_multimodal_caches", _no_reset)
+        state = _perturbed(_model(vl_path), seed=1, prefix="model.vision_model.")
+        await engine.update_weights(1, blob=_blob(state))
+        with pytest.raises(EngineDeadError):
+            await engine.generate("after", context, sampling, for_engine(context.images))
+    finally:
+        engine.shutdown()
+
+
+async def _no_reset() -> None:
+    return None
