@@ -20,8 +20,8 @@ import warnings
 
 from envs.tools.base import Tool, ToolResult, function_schema
 from envs.trajectory_env import TrajectoryEnv
-from envs.types import (GradingSpec, Group, JsonObject, JsonValue, Message, Task,
-                        TerminationReason, ToolCall, Trajectory, Turn, WorkspaceChanges)
+from envs.types import (Content, GradingSpec, Group, Image, JsonObject, JsonValue, Message, Task,
+                        TerminationReason, ToolCall, Trajectory, TrajectoryImage, Turn, WorkspaceChanges)
 from reward.base import RewardContext, RewardFn, RewardResult
 from reward.rules import extract_final_answer
 from rollout.agent_loop import (AgentContext, AgentLoop, LoopSettings, SingleTurnLoop,
@@ -35,6 +35,8 @@ __all__ = [
     # the shared types: tasks in, trajectories out
     "Task", "GradingSpec", "Message", "ToolCall", "Trajectory", "Turn", "Group",
     "TerminationReason", "WorkspaceChanges", "JsonObject", "JsonValue",
+    # images: a message's content parts, and where a trajectory keeps each image
+    "Image", "Content", "TrajectoryImage",
     # agent loops: the protocol, the built-ins to extend, and what a loop from scratch calls
     "AgentLoop", "AgentContext", "ToolAgentLoop", "SingleTurnLoop", "ToolOutcome",
     "LoopSettings", "TrajectoryRecorder", "BudgetExhausted", "TokenOutput", "ParsedTurn",
