@@ -147,6 +147,25 @@ def shift_images(images: Sequence[TrajectoryImage], offset: int) -> tuple[Trajec
     return tuple(i.shifted(offset) for i in images)
 
 
+# A TrajectoryImage as plain values a journal (marshal) holds: start, num_tokens, media
+# type, the encoded image, prompt_ids, num_image_tokens, and each array as (name, dtype,
+# shape, bytes).
+ImageRecord = tuple[int, int, str, bytes, tuple[int, ...], int, tuple[tuple[str, str, tuple[int, ...], bytes], ...]]
+
+
+def image_record(image: TrajectoryImage) -> ImageRecord:
+    arrays = tuple((k, str(v.dtype), tuple(v.shape), np.ascontiguousarray(v).tobytes())
+                   for k, v in image.inputs.items())
+    return (image.start, image.num_tokens, image.image.media_type, image.image.data, image.prompt_ids,
+            image.num_image_tokens, arrays)
+
+
+def image_of_record(record: ImageRecord) -> TrajectoryImage:
+    start, num_tokens, media_type, data, prompt_ids, num_image_tokens, arrays = record
+    inputs = {k: np.frombuffer(raw, dtype).reshape(shape).copy() for k, dtype, shape, raw in arrays}
+    return TrajectoryImage(start, num_tokens, Image(data, media_type), prompt_ids, inputs, num_image_tokens)
+
+
 def for_engine(images: Sequence[TrajectoryImage]) -> tuple[TrajectoryImage, ...]:
     """The images as a request carries them to an engine: without the encoder's arrays
     (the engine's own processor makes them from the image; they stay with the trajectory)."""

@@ -4,6 +4,7 @@ a file on the worker's node, so that when the gateway process holding the sessio
 the worker rebuilds the segments the engine generated, exactly, from the file.
 
     gateway process:  SessionOpened, SegmentStarted, [ObservationAdded], CallDispatched
+                      (a segment's and an observation's images with them: rebuilt exactly)
                       --generate_turn--> worker --> engine        (CallFailed if it raises)
                       CallCompleted (ids, logprobs, versions, finish reason, timings, parse)
     worker, after the process died:  read_journal -> rebuild_session -> segments
@@ -31,15 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from envs.types import TerminationReason, Trajectory, Turn
+from envs.types import TerminationReason, Trajectory, TrajectoryImage, Turn
 from rollout.engine import TokenOutput
 from rollout.journal_file import (GENERATION_DTYPES, GenerationRecord, JournalCodec, JournalRead, append_frame,
                                   remove_file)
 from rollout.recorder import Budgets, TrajectoryRecorder
+from rollout.vision import ImageRecord, PromptIds, image_of_record, image_record, images_of
 
 # The ending of a segment the harness left by rewriting its history (the live gateway and
 # the rebuild finish it the same way).
@@ -61,6 +64,7 @@ class SegmentStarted:
 
     segment: int  # 0, 1, ... in the session
     prompt_ids: np.ndarray
+    images: tuple[ImageRecord, ...] = ()  # the prompt's images (rollout.vision.image_record)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,7 @@ class ObservationAdded:
     ids: np.ndarray
     num_tool_calls: int
     tool_s: float
+    images: tuple[ImageRecord, ...] = ()  # the observation's images, starts relative to `ids`
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +133,14 @@ class SessionJournal:
     def opened(self, task_id: str, group_id: str, index: int) -> None:
         self.append(SessionOpened(task_id, group_id, index))
 
-    def segment_started(self, prompt_ids: np.ndarray) -> None:
+    def segment_started(self, prompt_ids: np.ndarray, images: Sequence[TrajectoryImage] = ()) -> None:
         self.segment += 1
-        self.append(SegmentStarted(self.segment, np.asarray(prompt_ids, np.int32)))
+        self.append(SegmentStarted(self.segment, np.asarray(prompt_ids, np.int32), tuple(map(image_record, images))))
 
     def observation_added(self, ids: list[int] | np.ndarray, num_tool_calls: int, tool_s: float) -> None:
-        self.append(ObservationAdded(self.segment, np.asarray(ids, np.int32), num_tool_calls, tool_s))
+        """`ids` as the builder returned them: the images they carry are journaled too."""
+        self.append(ObservationAdded(self.segment, np.asarray(ids, np.int32), num_tool_calls, tool_s,
+                                     tuple(map(image_record, images_of(ids)))))
 
     def dispatched(self, call: int, num_prompt_ids: int) -> None:
         self.append(CallDispatched(self.segment, call, num_prompt_ids))
@@ -197,7 +204,8 @@ def rebuild_session(read: JournalRead[JournalRecord], budgets: Budgets, reason: 
             assert identity is not None  # for the type checker: _check raised otherwise
             if rec is not None and rec.turns:  # a segment without a generation has nothing to train on
                 segments.append(rec.finish(TerminationReason.FINISHED, REWRITE_DETAIL))
-            rec = TrajectoryRecorder(identity.task_id, identity.group_id, identity.index, r.prompt_ids, budgets)
+            prompt = PromptIds(r.prompt_ids.tolist(), [image_of_record(i) for i in r.images])
+            rec = TrajectoryRecorder(identity.task_id, identity.group_id, identity.index, prompt, budgets)
         elif isinstance(r, CallDispatched):
             unsettled |= pending is not None
             pending = r
@@ -214,7 +222,8 @@ def rebuild_session(read: JournalRead[JournalRecord], budgets: Budgets, reason: 
         else:
             _check(rec is not None, "an observation before any segment")
             assert rec is not None
-            rec.add_observation(r.ids, r.num_tool_calls, 0, r.tool_s)
+            rec.add_observation(PromptIds(r.ids.tolist(), [image_of_record(i) for i in r.images]),
+                                r.num_tool_calls, 0, r.tool_s)
     if rec is not None and rec.turns:
         segments.append(rec.finish(reason, detail))
     masked = pending is not None or unsettled

@@ -403,7 +403,7 @@ class Gateway:
         rec = TrajectoryRecorder(session.task_id, session.group_id, session.index, prompt,
                                  self.settings.budgets)
         session.recorder = rec
-        session.journal.segment_started(rec.prompt_ids)
+        session.journal.segment_started(rec.prompt_ids, rec.images)
         self._num_segments += 1
         if session.on_segment is not None:
             session.on_segment(rec)
