@@ -8,6 +8,11 @@ accounts of one training step: the environment account
 prefill between the fully cached and the fully recomputed bound, KV residency, training),
 then the ratio table (environment : model, sandboxes : GPU, rollout : train).
 
+Images (vision-language models, `plan.images_per_trajectory`) are context tokens: each
+image's run of `plan.tokens_per_image` ids is held in KV, prefilled and trained on like text
+(never generated), and its vision-encoder pass costs `plan.vision_prefill_factor` x a text
+token's prefill FLOPs per such token, wherever the image is prefilled or trained on.
+
 The math is a set of pure functions of resolved numbers (`PlanInputs`); only
 `build_plan` reads the recipe, the profile and the model's config.json. Every account assumes the
 whole step's B x G trajectories are in flight at once and every turn costs the profile's
@@ -27,7 +32,7 @@ from typing import Any
 from launch.plan_profile import PlanProfile, load_profile, profile_help, split_profile_args
 from rollout.rope import text_config
 from trainer.run.config import SluiceConfig
-from trainer.run.model_check import MOE_KEYS, DecoderShape
+from trainer.run.model_check import MOE_KEYS, DecoderShape, VisionShape, measure_image_run
 from trainer.run.recipe import load_config
 
 USAGE = """usage: python -m launch.plan recipe=NAME.yaml [section.key=value ...]
@@ -77,6 +82,9 @@ class PlanInputs:
     kv_pool_gb_per_gpu: float
     rollout_gpus: int
     train_gpus: int
+    images_per_trajectory: float = 0.0
+    tokens_per_image: int = 0  # context ids of one image's run (image tokens and their markup)
+    vision_prefill_factor: float = 0.0  # encoder FLOPs per such id / a text token's prefill FLOPs
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +109,8 @@ class PlanAccount:
     prefill_expected_s: float
     train_tokens: int
     train_s: float
+    image_tokens_per_trajectory: int  # of final_context_tokens
+    vision_encoder_s: float  # of prefill_cached_s: each image encoded once
 
 
 def compute_prefill_s(params: float, tokens: float, gpus: float, gpu_flops: float,
@@ -116,17 +126,21 @@ def compute_train_s(params: float, tokens: float, gpus: float, gpu_flops: float,
 
 
 def compute_account(p: PlanInputs) -> PlanAccount:
-    """The issue-18 formulas, in the seed's order."""
+    """The issue-18 formulas, in the seed's order; image tokens (issue 28) are part of the
+    final context, and their encoder pass adds vision_prefill_factor x their prefill."""
     trajectories = p.groups_per_step * p.group_size
     executions = trajectories * p.turns
     trajectory_wall_s = p.turns * (p.gen_s + p.exec_s)
-    final_context = p.prompt_tokens + p.turns * (p.gen_tokens + p.obs_tokens)
+    image_tokens = round(p.images_per_trajectory * p.tokens_per_image)
+    final_context = p.prompt_tokens + p.turns * (p.gen_tokens + p.obs_tokens) + image_tokens
+    # The context in prefill-FLOP units: text tokens 1 each, image tokens 1 + the encoder's share.
+    compute_context = final_context + p.vision_prefill_factor * image_tokens
     params = p.model_params_b * 1e9
     # With a perfect prefix cache each token is prefilled once; without one every turn
-    # re-prefills its whole context, on average half the final one.
-    prefill_cached_s = compute_prefill_s(params, trajectories * final_context, p.rollout_gpus,
+    # re-prefills its whole context, on average half the final one (images re-encoded too).
+    prefill_cached_s = compute_prefill_s(params, trajectories * compute_context, p.rollout_gpus,
                                          p.gpu_flops, p.mfu_prefill)
-    uncached_tokens = trajectories * p.turns * final_context / 2
+    uncached_tokens = trajectories * p.turns * compute_context / 2
     prefill_uncached_s = compute_prefill_s(params, uncached_tokens, p.rollout_gpus, p.gpu_flops,
                                            p.mfu_prefill)
     kv_need_bytes = trajectories * final_context * p.kv_bytes_per_token
@@ -151,7 +165,12 @@ def compute_account(p: PlanInputs) -> PlanAccount:
         kv_resident_fraction=resident,
         prefill_expected_s=prefill_cached_s + (1 - resident) * (prefill_uncached_s - prefill_cached_s),
         train_tokens=train_tokens,
-        train_s=compute_train_s(params, train_tokens, p.train_gpus, p.gpu_flops, p.mfu_train),
+        # The trainer's passes go through the vision encoder as well (it is trained).
+        train_s=compute_train_s(params, trajectories * compute_context, p.train_gpus, p.gpu_flops,
+                                p.mfu_train),
+        image_tokens_per_trajectory=image_tokens,
+        vision_encoder_s=compute_prefill_s(params, trajectories * p.vision_prefill_factor * image_tokens,
+                                           p.rollout_gpus, p.gpu_flops, p.mfu_prefill),
     )
 
 
@@ -162,10 +181,18 @@ def read_model_config(model_path: str) -> tuple[dict[str, Any] | None, str]:
 
         return (dict(MODEL_SHAPE, vocab_size=VOCAB_SIZE + len(MARKUP_TOKENS),
                      tie_word_embeddings=False, model_type="qwen2"), "the tiny model's shape")
-    path = Path(model_path).expanduser() / "config.json"
+    path = model_folder(model_path) / "config.json"
     if not model_path or not path.is_file():
         return None, str(path)
     return json.loads(path.read_text()), str(path)
+
+
+def model_folder(model_path: str) -> Path:
+    """The folder model.path names: a local test model's (built into the cache on first
+    use: 'tiny-vl') or the path itself."""
+    from trainer.run.local_models import local_model_folder
+
+    return local_model_folder(model_path) or Path(model_path).expanduser()
 
 
 # --- sandbox nodes and ratios ----------------------------------------------------------
@@ -312,6 +339,41 @@ def resolve_kv_pool_gb(cfg: SluiceConfig, pc: PlanProfile, weight_bytes_per_gpu:
     return pool_gb
 
 
+def resolve_images(cfg: SluiceConfig, pc: PlanProfile, params_b: float, sources: Sources
+                   ) -> tuple[int, float]:
+    """(tokens_per_image, vision_prefill_factor): the profile's, else measured on model.path
+    (its processor on its largest image, its vision_config's encoder); unused (0) without
+    images. The factor is the encoder's FLOPs for one image over 2N x the image's run."""
+    tokens, factor = pc.tokens_per_image, pc.vision_prefill_factor
+    if pc.images_per_trajectory == 0 or (tokens is not None and factor is not None):
+        return tokens or 0, factor or 0.0
+    missing = [f"plan.{k}" for k, v in (("tokens_per_image", tokens), ("vision_prefill_factor", factor))
+               if v is None]
+    data, where = read_model_config(cfg.model.path)
+    try:
+        vision = VisionShape.from_config(data or {}, missing[0])
+    except ValueError as exc:
+        raise ValueError(f"{exc}; set {' and '.join(missing)}") from None
+    if vision is None or data is None or data.get("image_token_id") is None:
+        raise ValueError(f"{missing[0]}: plan.images_per_trajectory={pc.images_per_trajectory:g} needs "
+                         f"{' and '.join(missing)}, and model.path {cfg.model.path!r} has no vision-language "
+                         f"config.json to derive them from ({where}); set them (`python -m trainer.main "
+                         "--dry-run` with model.path at the model prints both for its processor)")
+    try:
+        run = measure_image_run(model_folder(cfg.model.path), int(data["image_token_id"]))
+    except (OSError, ValueError, ImportError) as exc:  # no processor files, or one this install cannot load
+        raise ValueError(f"{missing[0]}: the processor of model.path {cfg.model.path!r} could not be run "
+                         f"({exc}); set {' and '.join(missing)}") from None
+    image = f"model.path's processor, a {run.edge_pixels} x {run.edge_pixels} px image"
+    if tokens is None:
+        tokens = run.num_tokens
+        sources.append(("tokens_per_image", tokens, image))
+    if factor is None:
+        factor = vision.flops_per_image_token * run.num_image_tokens / (2 * params_b * 1e9 * run.num_tokens)
+        sources.append(("vision_prefill_factor", factor, f"{where}'s vision_config, {image}"))
+    return tokens, factor
+
+
 def build_plan(cfg: SluiceConfig, pc: PlanProfile | None = None) -> Plan:
     """Resolve every None of the profile `pc` (None: the defaults) from the recipe `cfg`
     and the model's config.json."""
@@ -321,6 +383,7 @@ def build_plan(cfg: SluiceConfig, pc: PlanProfile | None = None) -> Plan:
     params_b, kv_bytes, dtype_bytes = resolve_model(cfg, pc, sources)
     weight_bytes_per_gpu = params_b * 1e9 * dtype_bytes / r.tp_size
     pool_gb = resolve_kv_pool_gb(cfg, pc, weight_bytes_per_gpu, sources)
+    tokens_per_image, vision_factor = resolve_images(cfg, pc, params_b, sources)
 
     def recipe_default(key: str, value: Any, default: Any, where: str) -> Any:
         if value is not None:
@@ -340,7 +403,9 @@ def build_plan(cfg: SluiceConfig, pc: PlanProfile | None = None) -> Plan:
         rollout_gpus=recipe_default("rollout_gpus", pc.rollout_gpus, r.num_engines * r.tp_size,
                                     "rollout.num_engines x rollout.tp_size"),
         train_gpus=recipe_default("train_gpus", pc.train_gpus, cfg.train.num_ranks,
-                                  "train.num_ranks"))
+                                  "train.num_ranks"),
+        images_per_trajectory=pc.images_per_trajectory, tokens_per_image=tokens_per_image,
+        vision_prefill_factor=vision_factor)
     node = SandboxNode(
         cores=recipe_default("cores_per_sandbox_node", pc.cores_per_sandbox_node,
                              e.cpus_per_sandbox_worker, "envs.cpus_per_sandbox_worker"),
@@ -411,6 +476,7 @@ def format_gpu(plan: Plan, a: PlanAccount) -> str:
         f"  generating at once    {a.generating_concurrency:,.0f} requests ({per_gpu:,.1f} per GPU);"
         f" bandwidth-bound decode there: {bound:,.0f} tokens/s/GPU",
         f"  final context         {a.final_context_tokens:,} tokens",
+        *format_images(p, a),
         f"  prefill cached        {a.prefill_cached_s:,.0f} s ({_pct(a.prefill_cached_s, w)})",
         f"  prefill uncached      {a.prefill_uncached_s:,.0f} s ({_pct(a.prefill_uncached_s, w)})",
         f"  KV need / pool        {_scaled(a.kv_need_bytes, 'B')} / {_scaled(a.kv_pool_bytes, 'B')}"
@@ -425,6 +491,19 @@ def format_gpu(plan: Plan, a: PlanAccount) -> str:
         rows.append(f"  warning: rollout GPUs are busy {busy:,.0f} s, longer than the "
                     f"{w:,.0f} s window: add rollout GPUs or KV residency")
     return "\n".join(rows)
+
+
+def format_images(p: PlanInputs, a: PlanAccount) -> list[str]:
+    """The GPU account's image rows; none without images."""
+    if not a.image_tokens_per_trajectory:
+        return []
+    img = a.image_tokens_per_trajectory
+    return [f"  image tokens          {img:,} per trajectory ({p.images_per_trajectory:g} x "
+            f"{p.tokens_per_image:,}), {img / a.final_context_tokens:.0%} of the final context: "
+            "held in KV, prefilled and trained like text",
+            f"  vision encoder        {a.vision_encoder_s:,.0f} s ({_pct(a.vision_encoder_s, p.window_s)}) "
+            f"of prefill cached, at {p.vision_prefill_factor:.3g} x a text token's prefill per image "
+            "token; re-encoded with every uncached prefill, and trained"]
 
 
 def compute_in_flight_trajectories(plan: Plan) -> int:
@@ -481,6 +560,8 @@ def format_plan(plan: Plan, a: PlanAccount) -> str:
             f"{p.groups_per_step * p.group_size:,} trajectories of {p.turns} turns; per turn "
             f"{p.gen_tokens:,} tokens in {p.gen_s:g} s, {p.exec_s:g} s exec, {p.obs_tokens:,} "
             f"tokens back; prompt {p.prompt_tokens:,} tokens")
+    if p.images_per_trajectory:
+        head += f"; {p.images_per_trajectory:g} images of {p.tokens_per_image:,} tokens per trajectory"
     return "\n\n".join([head + (f"\nderived:{derived}" if derived else ""),
                         format_environment(plan, a), format_gpu(plan, a), format_ratios(plan, a)])
 

@@ -34,6 +34,14 @@ class PlanProfile:
     cores_per_exec: float = knob(1.0, "CPU cores one execution keeps busy (CPU-hours account).")
     obs_tokens: int = knob(1600, "Tool-output tokens appended to the context per turn.")
     prompt_tokens: int = knob(2000, "Tokens of the first prompt (task, repository information).")
+    images_per_trajectory: float = knob(0.0, "Images a trajectory's context holds at its end (a task's "
+                                        "pictures, tools' screenshots; vision-language models).")
+    tokens_per_image: int | None = knob(None, "Context tokens of one image (its run of image tokens and "
+                                        "markup). None: model.path's processor on its largest image "
+                                        "(needed only with images).")
+    vision_prefill_factor: float | None = knob(None, "Vision-encoder FLOPs of an image per context "
+                                               "token of it, over a text token's prefill FLOPs (2N). "
+                                               "None: from model.path's vision_config and processor.")
     window_s: float = knob(1800.0, "Target wall clock of one step's rollout; concurrency needs "
                            "are sandbox-seconds / this.")
     # GPU side.
@@ -80,8 +88,9 @@ class ProfileFile:
 _POSITIVE = ("turns", "gen_tokens", "window_s", "decode_tokens_per_s_per_gpu", "gpu_flops",
              "hbm_bytes_per_s", "model_params_b", "kv_bytes_per_token", "kv_pool_gb_per_gpu",
              "rollout_gpus", "train_gpus", "cores_per_sandbox", "cores_per_sandbox_node",
-             "memory_gb_per_sandbox_node")
-_NON_NEGATIVE = ("gen_s", "exec_s", "cores_per_exec", "obs_tokens", "prompt_tokens")
+             "memory_gb_per_sandbox_node", "tokens_per_image")
+_NON_NEGATIVE = ("gen_s", "exec_s", "cores_per_exec", "obs_tokens", "prompt_tokens",
+                 "images_per_trajectory", "vision_prefill_factor")
 
 
 def check_profile(profile: PlanProfile) -> None:

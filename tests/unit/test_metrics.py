@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from trainer.run.metrics import BusyClock, JsonlSink, MetricsLogger, compute_loop_metrics
 
 
@@ -103,3 +104,36 @@ def test_loop_metrics_sum_the_engines_refused_prefix_resets_and_their_cache_rate
     engines["e1"] = dataclasses.replace(engines["e1"], connector_queries=50, connector_hits=30)
     out, _ = compute_loop_metrics(buffer, engines, [], (60, 20))
     assert (out["rollout/kv_connector_queries"], out["rollout/kv_connector_hits"]) == (50.0, 30.0)
+
+
+def _image(start: int, num_tokens: int, num_image_tokens: int):
+    from envs.types import Image, TrajectoryImage
+
+    return TrajectoryImage(start, num_tokens, Image(b"\x89PNG not decoded here"), (7,), {}, num_image_tokens)
+
+
+def test_image_metrics_count_image_tokens_per_row_and_their_share_of_the_context():
+    """Two rows of one step: 30 + 10 ids holding two images (runs of 18 and 6 ids, 16 and 4
+    image tokens: one in the prompt, one a tool's screenshot in the response, mask 0) and
+    20 + 20 ids of text only. Per row: (20 + 0) / 2 image tokens, 2 / 2 images; share:
+    20 of the 80 ids."""
+    import dataclasses
+
+    from envs.types import Group, Trajectory
+    from trainer.run.metrics import compute_batch_metrics
+
+    response_mask = [1, 1, 0, 0, 0, 0, 0, 0, 1, 1]  # the screenshot's run: ids 32..37
+    versions = [0 if m else -1 for m in response_mask]
+    with_images = Trajectory("t", "g", 0, list(range(30)), list(range(10)), response_mask, [0.0] * 10,
+                             versions, "finished", reward=1.0, images=(_image(4, 18, 16), _image(32, 6, 4)))
+    text = Trajectory("t", "g", 1, list(range(20)), list(range(20)), [1] * 20, [0.0] * 20, [0] * 20,
+                      "finished", reward=0.0)
+    metrics = compute_batch_metrics([Group("t", "g", (with_images, text))], 0)
+    images = {k: v for k, v in metrics.items() if k.startswith("rollout/image")}
+    assert images == {"rollout/image_tokens": 10.0, "rollout/image_tokens_total": 20.0,
+                      "rollout/images_per_trajectory": 1.0, "rollout/image_token_fraction": 0.25}
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    assert [k for k in images if f"| `{k}` |" not in docs] == []  # every image key is documented
+    # A step without images (every step of a text run) logs none of them.
+    text_only = compute_batch_metrics([Group("t", "g", (dataclasses.replace(text, index=0),))], 0)
+    assert not [k for k in text_only if k.startswith("rollout/image")]

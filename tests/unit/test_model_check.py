@@ -5,6 +5,7 @@ heads, the KV cache vs one full-length sequence, and the memory estimates' numbe
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from model_configs import QWEN3_8B
@@ -139,3 +140,141 @@ def test_memory_estimates_match_hand_counts(qwen3_8b):
 def test_missing_model_folder_skips_with_a_note():
     report = check_models(load_config("swe_grpo.yaml", ["reward.judge.enabled=false"]))
     assert report.problems == [] and "model checks skipped" in report.notes[0]
+
+
+# Idefics3-8B-Llama3's vision side, as its config.json ships it (the text side is Llama-3-8B).
+IDEFICS3_8B_VISION = {"scale_factor": 2, "image_token_id": 128257,
+                      "vision_config": {"hidden_size": 1152, "image_size": 364, "intermediate_size": 4304,
+                                        "model_type": "idefics3_vision", "num_attention_heads": 16,
+                                        "num_hidden_layers": 27, "patch_size": 14},
+                      "text_config": {"hidden_size": 4096}}
+
+
+def test_vision_shape_of_a_siglip_encoder_is_counted_by_hand():
+    from trainer.run.model_check import VisionShape
+
+    v = VisionShape.from_config(IDEFICS3_8B_VISION)
+    assert v is not None
+    # 26 x 26 patches of 14 px per 364-px tile, 2 x 2 of them per image token: 169 per tile
+    assert (v.patches_per_tile, v.patches_per_image_token) == (676, 4)
+    # q/k/v/o 4 x (1152^2 + 1152), fc1 + fc2 2 x 1152 x 4304 + 4304 + 1152, two LayerNorms 4 x 1152
+    assert v.layer_params == 5_313_024 + 9_916_416 + 5_456 + 4_608 == 15_239_504
+    # 27 layers, patch embedding 3 x 14^2 x 1152 + 1152, 676 positions x 1152, final norm 2 x 1152:
+    # SigLIP-so400m without its pooling head; the connector projects 4 x 1152 -> 4096
+    encoder = 27 * 15_239_504 + 678_528 + 778_752 + 2_304
+    assert v.connector_params == 18_874_368
+    assert v.num_params == encoder + 18_874_368 == 431_800_560
+    assert v.flops_per_image_token == 2 * (4 * (27 * 15_239_504 + 678_528) + 18_874_368)
+    assert v.activation_values_per_patch_layer == 8 * 1152 + 2 * 4304
+    assert VisionShape.from_config(QWEN3_8B) is None  # text-only: no image account
+
+
+def test_a_vision_config_of_another_layout_skips_the_image_accounts_with_a_note(tmp_path):
+    # Qwen2-VL's vision_config names its layers `depth` and its width `embed_dim`.
+    config = {**QWEN3_8B, "vision_config": {"depth": 32, "embed_dim": 1280, "patch_size": 14}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = check_models(_swe(tmp_path, YARN_2X))
+    assert report.problems == []
+    (note,) = [n for n in report.notes if n.startswith("image accounts skipped")]
+    assert "vision_config lacks 'num_hidden_layers'" in note
+
+
+@pytest.fixture(scope="module")
+def tiny_vl():
+    from trainer.run.tiny_vl_model import ensure_tiny_vl_model
+
+    return ensure_tiny_vl_model()
+
+
+def _tiny_vl_parameters(folder) -> dict[str, int]:
+    """Parameters per top-level module of the saved weights, from the safetensors header."""
+    import struct
+
+    raw = (folder / "model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    counts: dict[str, int] = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            key = name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
+            counts[key] = counts.get(key, 0) + math.prod(entry["shape"])
+    return counts
+
+
+def test_the_dry_run_shows_what_an_image_costs_on_the_tiny_vision_language_model(tiny_vl):
+    """quickstart (fp32, ZeRO-2 on one rank, tp 1) on the tiny Idefics3: its largest image
+    (224 px: 2 x 2 tiles and the whole image) is a run of 94 ids with 80 image tokens. Per
+    image token: KV 2 (K, V) x 2 layers x 1 KV head x 64 x 4 bytes = 1,024 B; text-model
+    activations 2 layers x (9 x 128 + 4 x 384 + 3 x 64) x 4 = 23,040 B; vision activations
+    4 patches x 2 layers x (8 x 32 + 2 x 64) x 4 = 12,288 B (a 64-patch tile: 196,608 B)."""
+    from trainer.run.model_check import ImageRun, VisionShape, estimate_image_memory, format_model_report
+
+    cfg = load_config("quickstart.yaml", [f"model.path={tiny_vl}"])
+    report = check_models(cfg)
+    assert report.problems == []
+    config = json.loads((tiny_vl / "config.json").read_text())
+    vision = VisionShape.from_config(config)
+    assert vision is not None
+    saved = _tiny_vl_parameters(tiny_vl)
+    assert vision.num_params == saved["vision_model"] + saved["connector"] == 38_048 + 16_384
+    text = "\n".join(report.notes)
+    assert "an image of 224 x 224 px (the processor's largest): 94 ids in the context, 80 of them image " \
+           "tokens, 5 tiles of 112 px" in text
+    assert "per image token: KV 1 KiB on an engine GPU" in text
+    assert "training activations 34.5 KiB (22.5 KiB text model + 12 KiB vision encoder)" in text
+    assert "vision encoder activations 192 KiB per tile, 960 KiB per image" in text  # 5 tiles, 80 tokens
+    assert "plan.tokens_per_image=94 plan.vision_prefill_factor=0.254" in text
+    shape = DecoderShape.from_config(config, {}, "model.path")
+    m = estimate_image_memory(cfg, shape, vision, ImageRun(224, 94, 80, 5), 4)
+    assert (m.kv_bytes_per_token, m.kv_bytes_per_image) == (1024, 94 * 1024)
+    assert m.encoder_output_bytes_per_image == 80 * 128 * 4
+    assert (m.text_activation_bytes_per_token, m.vision_activation_bytes_per_image_token) == (23_040, 12_288)
+    assert m.vision_activation_bytes_per_tile == 196_608
+    checkpointed = estimate_image_memory(load_config("quickstart.yaml", [f"model.path={tiny_vl}",
+                                                                          "train.gradient_checkpointing=true"]),
+                                         shape, vision, ImageRun(224, 94, 80, 5), 4)
+    # each layer's input (2 x 128; 2 x 32 per patch) plus one layer's working set
+    assert checkpointed.text_activation_bytes_per_token == (2 * 128 + 2880) * 4
+    assert checkpointed.vision_activation_bytes_per_image_token == 4 * (2 * 32 + 384) * 4
+    # The encoder and connector are trained: fp32 weights, grads and two Adam moments (16 B each).
+    train = dict(report.memory[0].parts)
+    assert train["vision encoder (weights, grads, optimizer)"] == 54_432 * 16
+    assert dict(report.memory[1].parts)["vision encoder shard"] == 54_432 * 4
+    assert "vision encoder + connector: 54,432 parameters" in format_model_report(report)
+    by_name = check_models(load_config("quickstart.yaml", ["model.path=tiny-vl"]))
+    assert by_name.notes == report.notes  # the local model's name reaches the same folder
+
+
+def test_the_vision_activation_estimate_matches_what_autograd_keeps(tiny_vl):
+    """The tiny encoder's forward on 5 tiles, with every tensor autograd saves for backward
+    counted once (by storage; weights and the pixel input left out): per patch and layer
+    two LayerNorm inputs and outputs, q/k/v, the attention output (sdpa) and fc1's output
+    and activation, 8 x 32 + 2 x 64 values, as the estimate says; the remainder is norm
+    statistics, attention log-sum-exps and the final norm's input (about 6 %)."""
+    import torch
+    from transformers import Idefics3ForConditionalGeneration
+
+    from trainer.run.model_check import ImageRun, VisionShape, estimate_image_memory
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(tiny_vl, attn_implementation="sdpa")
+    encoder = model.model.vision_model
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    pixels = torch.randn(5, 3, 112, 112)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.is_floating_point() and storage.data_ptr() not in weights | {pixels.untyped_storage().data_ptr()}:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        encoder(pixel_values=pixels)
+    config = json.loads((tiny_vl / "config.json").read_text())
+    vision = VisionShape.from_config(config)
+    assert vision is not None
+    cfg = load_config("quickstart.yaml", [f"model.path={tiny_vl}"])
+    m = estimate_image_memory(cfg, DecoderShape.from_config(config, {}, "model.path"), vision,
+                              ImageRun(224, 94, 80, 5), 4)
+    assert m.vision_activation_bytes_per_tile * 5 == 983_040  # 5 x 64 patches x 2 layers x 384 x 4 B
+    assert sum(kept.values()) == pytest.approx(983_040, rel=0.1)

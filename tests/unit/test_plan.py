@@ -27,7 +27,9 @@ ACCOUNT_KEYS = ["trajectories", "executions", "cpu_hours", "trajectory_wall_s",
                 "sandboxes_stateful", "sandboxes_releasable", "generated_tokens", "decode_s",
                 "generating_concurrency", "final_context_tokens", "prefill_cached_s",
                 "prefill_uncached_s", "kv_need_bytes", "kv_pool_bytes", "kv_resident_fraction",
-                "prefill_expected_s", "train_tokens", "train_s"]
+                "prefill_expected_s", "train_tokens", "train_s",
+                # issue 28: images (0 without them)
+                "image_tokens_per_trajectory", "vision_encoder_s"]
 
 # The seed's inputs on top of swe_grpo.yaml (B=500, G=8, 20 turns, gpu_memory_utilization
 # 0.9): 32 rollout H100s at TP1 (its decode account reads 16 GB of weights per card), 32
@@ -141,7 +143,8 @@ def test_a_second_scenario_computed_by_hand():
                 kv_need_bytes=230_400_000_000, kv_pool_bytes=5.76e10,
                 kv_resident_fraction=0.5,  # 5.76e10 / (2.304e11 / 2)
                 prefill_expected_s=13.824,  # 4.608 + 0.5 x 18.432
-                train_tokens=2_304_000, train_s=55.296)  # 12 x 4e9 x 2.304e6 / 2e15
+                train_tokens=2_304_000, train_s=55.296,  # 12 x 4e9 x 2.304e6 / 2e15
+                image_tokens_per_trajectory=0, vision_encoder_s=0.0)
     assert list(hand) == ACCOUNT_KEYS
     for key, value in hand.items():
         assert getattr(a, key) == pytest.approx(value, rel=1e-12), key
@@ -156,6 +159,86 @@ def test_a_second_scenario_computed_by_hand():
     # rollout (106.67 + 13.824) x 8 = 963.9 GPU-s vs train 55.296 x 8 = 442.4
     assert r.rollout_to_train == pytest.approx(120.4907 / 55.296, rel=1e-5)
     assert r.balanced_rollout_gpus == 11  # 16 x 0.6854 = 10.97
+
+
+def test_images_are_context_tokens_and_their_encoder_pass_a_share_of_prefill():
+    """The second scenario with 2.5 images of 400 tokens per trajectory, the encoder at half
+    a text token's prefill per image token: 1,000 image tokens make the final context
+    10,000 tokens (KV, training tokens) and 10,500 in prefill-FLOP units (prefill, training)."""
+    text = dict(groups_per_step=64, group_size=4, turns=10, gen_tokens=500, gen_s=5.0, exec_s=15.0,
+                cores_per_exec=2.0, obs_tokens=300, prompt_tokens=1000, window_s=600.0,
+                decode_tokens_per_s_per_gpu=1500.0, gpu_flops=1e15, mfu_prefill=0.5, mfu_train=0.25,
+                model_params_b=4.0, kv_bytes_per_token=100_000, kv_pool_gb_per_gpu=7.2, rollout_gpus=8,
+                train_gpus=8)
+    a = compute_account(PlanInputs(**text, images_per_trajectory=2.5, tokens_per_image=400,
+                                   vision_prefill_factor=0.5))
+    hand = dict(final_context_tokens=10_000, image_tokens_per_trajectory=1000,
+                prefill_cached_s=5.376,  # 2 x 4e9 x 256 x 10,500 / 4e15
+                vision_encoder_s=0.256,  # 2 x 4e9 x 256 x 500 / 4e15
+                prefill_uncached_s=26.88,  # 2 x 4e9 x (256 x 10 x 10,500 / 2) / 4e15
+                kv_need_bytes=256_000_000_000,  # 256 x 10,000 x 100,000
+                kv_resident_fraction=0.45,  # 5.76e10 / (2.56e11 / 2)
+                prefill_expected_s=17.2032,  # 5.376 + 0.55 x (26.88 - 5.376)
+                train_tokens=2_560_000, train_s=64.512,  # 12 x 4e9 x 256 x 10,500 / 2e15
+                generated_tokens=1_280_000)  # images are never generated
+    for key, value in hand.items():
+        assert getattr(a, key) == pytest.approx(value, rel=1e-12), key
+    # Without the encoder's share, an image token costs exactly what a prompt token does.
+    as_text = compute_account(PlanInputs(**{**text, "prompt_tokens": 2000}))
+    free_encoder = compute_account(PlanInputs(**text, images_per_trajectory=2.5, tokens_per_image=400))
+    for key in ("final_context_tokens", "prefill_cached_s", "prefill_uncached_s", "kv_need_bytes",
+                "prefill_expected_s", "train_tokens", "train_s"):
+        assert getattr(free_encoder, key) == pytest.approx(getattr(as_text, key), rel=1e-12), key
+    assert free_encoder.vision_encoder_s == 0.0
+
+
+def test_tokens_per_image_and_the_encoder_factor_come_from_a_vision_language_model():
+    """The tiny Idefics3's processor makes a 224-px image (its largest) 2 x 2 tiles and the
+    whole image: 5 x (<fake_token_around_image>, a tag, 16 <image>), 3 newlines and a closing
+    <fake_token_around_image> = 94 ids, 80 of them image tokens. Its encoder (2 layers of 32,
+    MLP 64, 14-px patches, 2 x 2 patches per token) and connector (128 x 128) cost, per image
+    token, 2 x (4 x (2 x 8,544 + 18,848) + 16,384) = 320,256 FLOPs; the text model has 536,704
+    parameters: factor 320,256 x 80 / (2 x 536,704 x 94)."""
+    from trainer.run.tiny_vl_model import ensure_tiny_vl_model
+
+    folder = ensure_tiny_vl_model()
+    plan = plan_of("quickstart.yaml", [f"model.path={folder}", "plan.images_per_trajectory=3"])
+    p = plan.inputs
+    assert p.model_params_b * 1e9 == pytest.approx(536_704, rel=1e-12)
+    assert p.tokens_per_image == 94
+    assert p.vision_prefill_factor == pytest.approx(320_256 * 80 / (2 * 536_704 * 94), rel=1e-12)
+    assert {key for key, _, _ in plan.sources} >= {"tokens_per_image", "vision_prefill_factor"}
+    assert compute_account(p).image_tokens_per_trajectory == 3 * 94
+    assert plan_of("quickstart.yaml", ["model.path=tiny-vl", "plan.images_per_trajectory=3"]).inputs == p
+    given = plan_of("quickstart.yaml", [f"model.path={folder}", "plan.images_per_trajectory=3",
+                                        "plan.tokens_per_image=500"])
+    assert given.inputs.tokens_per_image == 500  # the profile's wins; the factor is still measured
+    assert given.inputs.vision_prefill_factor == pytest.approx(p.vision_prefill_factor, rel=1e-12)
+
+
+def test_images_on_a_text_model_ask_for_the_image_keys(capsys):
+    with pytest.raises(ValueError, match=r"plan.tokens_per_image: plan.images_per_trajectory=2 needs "
+                                         r"plan.tokens_per_image and plan.vision_prefill_factor"):
+        plan_of("quickstart.yaml", ["plan.images_per_trajectory=2"])
+    with pytest.raises(ValueError, match=r"needs plan.vision_prefill_factor, and model.path 'tiny'"):
+        plan_of("quickstart.yaml", ["plan.images_per_trajectory=2", "plan.tokens_per_image=300"])
+    given = plan_of("quickstart.yaml", ["plan.images_per_trajectory=2", "plan.tokens_per_image=300",
+                                        "plan.vision_prefill_factor=0.2"])
+    assert (given.inputs.tokens_per_image, given.inputs.vision_prefill_factor) == (300, 0.2)
+    with pytest.raises(ValueError, match="plan.tokens_per_image: must be > 0"):
+        load_profile(None, ["plan.tokens_per_image=0"])
+    with pytest.raises(ValueError, match="plan.images_per_trajectory: must be >= 0"):
+        load_profile(None, ["plan.images_per_trajectory=-1"])
+    assert main(["recipe=swe_grpo.yaml", *SEED, "plan.images_per_trajectory=4", "plan.tokens_per_image=1000",
+                 "plan.vision_prefill_factor=0.3"]) == 0
+    out = capsys.readouterr().out
+    for line in ["4 images of 1,000 tokens per trajectory", "final context         44,000 tokens",
+                 "image tokens          4,000 per trajectory (4 x 1,000), 9% of the final context",
+                 # 2 x 8e9 x 4,000 x 0.3 x 4,000 / (32 x 989e12 x 0.5) = 4.85 s; of 2 x 8e9 x 4,000
+                 # x 45,200 / 1.5824e16 = 182.8 s
+                 "vision encoder        5 s (0% of the window) of prefill cached, at 0.3 x",
+                 "prefill cached        183 s"]:
+        assert line in out, line
 
 
 def _fields(p: PlanInputs) -> dict:
@@ -300,6 +383,7 @@ def test_the_table_prints_both_accounts_nodes_and_ratios(capsys):
                  "56 stateful / 42 releasable", "39 rollout / 25 train",
                  "rollout GPUs are busy 1,869 s"]:
         assert line in out, line
+    assert "image tokens" not in out and "vision encoder" not in out  # rows only with images
     assert "plan.kv_pool_gb_per_gpu = 56" in out  # derived values say where from
 
 

@@ -256,6 +256,7 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
            "rollout/tool_errors": float(sum(u.num_tool_errors for u in turns)),
            "rollout/tool_timeouts": float(sum(u.num_tool_timeouts for u in turns))}
     out.update({f"end/{r}": float(n) for r, n in Counter(t.termination.value for t in samples).items()})
+    out.update(compute_image_metrics(trajs))
     out.update(tool_parse_counts(trajs))
     failed = Counter(n for u in turns for n in u.failed_tool_names)
     for name, n in Counter(n for u in turns for n in u.tool_names).items():
@@ -265,6 +266,23 @@ def compute_batch_metrics(groups: Sequence[Group], version: int) -> dict[str, fl
         values = [t.reward_components.get(name, 0.0) for t in scored]
         out[f"reward/{name}"] = float(np.sum(values) if is_counted_component(name) else np.mean(values))
     return out
+
+
+def compute_image_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """rollout/image* over a step's trained rows: image tokens (the positions the vision
+    encoder's features fill) per row and in all, images per row, and their share of the
+    rows' tokens (prompt + response; the markup ids around an image's tokens count as
+    text). Empty for a step without images, as other families that only some runs have
+    (gateway/*, durable/*): a text run's rows carry no image keys."""
+    num_images = sum(len(t.images) for t in trajs)
+    if not num_images:
+        return {}
+    image_tokens = sum(t.num_image_tokens for t in trajs)
+    context_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    return {"rollout/image_tokens": image_tokens / len(trajs),
+            "rollout/image_tokens_total": float(image_tokens),
+            "rollout/images_per_trajectory": num_images / len(trajs),
+            "rollout/image_token_fraction": image_tokens / context_tokens}
 
 
 def is_counted_component(name: str) -> bool:
@@ -302,6 +320,8 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
            "reward/errors_total": float(sum(w.num_reward_errors for w in workers)),
            "env/open_s_total": float(sum(w.env_open_s for w in workers)),
            "rollout/event_loop_stalls": float(sum(w.num_loop_stalls for w in workers))}
+    if resets := sum(e.mm_cache_resets for e in engines.values()):  # vision-language engines only
+        out["perf/mm_cache_resets"] = float(resets)
     gateways = [w.gateway for w in workers if w.gateway is not None]
     if gateways:  # totals over every worker's gateway (black-box harness sessions)
         out.update(sum_gateway_stats(gateways).as_metrics())

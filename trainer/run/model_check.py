@@ -18,10 +18,22 @@ communication buffers. Per token and layer a training forward keeps about
 9 x hidden + 4 x intermediate + 3 x kv_heads x head_dim values (norm inputs, q/k/v, rotary
 outputs, attention output, gate/up/activation/product); with activation checkpointing only
 each layer's input is kept, plus one layer's working set during its recompute.
+
+Vision-language models (config.json with a `vision_config`: a SigLIP-style ViT, Idefics3's
+connector) add, to the dry-run's notes, what one image costs at the processor's largest
+size: the ids of its run and its image tokens (measured with the model's own processor),
+KV per image token (the text model's: an image token is a context token like any other),
+and, for training, the vision encoder's activations per tile and per image token on top
+of the text model's per-token activations. Per patch and layer the encoder keeps about
+8 x hidden + 2 x intermediate values (two norm inputs and outputs, q/k/v, attention output,
+fc1 output and its activation); each image token stands for merge^2 patches (Idefics3's
+`scale_factor`). The encoder and connector weights join the train rank's and the engine's
+weights (trained, and sharded, like the rest).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +113,165 @@ class DecoderShape:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionShape:
+    """A ViT-style vision encoder (SigLIP, as in Idefics3 and SmolVLM) and the connector that
+    maps its merged patch features into the text model's embeddings: what sizes one image's
+    compute and memory."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    patch_size: int
+    tile_pixels: int  # image_size: the square the encoder reads at once (one tile)
+    num_channels: int
+    merge: int  # patches per side merged into one image token (Idefics3's scale_factor)
+    text_hidden: int  # the connector's output: one text-model embedding per image token
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], key: str = "model.path") -> VisionShape | None:
+        """None for a text-only config; ValueError naming `key` for a vision_config whose
+        layout is not a SigLIP-style ViT (Qwen2-VL's `depth`/`embed_dim`, for one)."""
+        vision = config.get("vision_config")
+        if not vision:
+            return None
+        try:
+            return cls(num_layers=int(vision["num_hidden_layers"]), hidden=int(vision["hidden_size"]),
+                       intermediate=int(vision["intermediate_size"]), patch_size=int(vision["patch_size"]),
+                       tile_pixels=int(vision["image_size"]), num_channels=int(vision.get("num_channels", 3)),
+                       merge=int(config.get("scale_factor", 1)),
+                       text_hidden=int(text_config(config)["hidden_size"]))
+        except KeyError as exc:
+            raise ValueError(f"{key}: config.json's vision_config lacks {exc.args[0]!r}; image accounts "
+                             "read a SigLIP-style encoder (hidden_size, intermediate_size, num_hidden_layers, "
+                             "patch_size, image_size)") from None
+
+    @property
+    def patches_per_tile(self) -> int:
+        return (self.tile_pixels // self.patch_size) ** 2
+
+    @property
+    def patches_per_image_token(self) -> int:
+        return self.merge ** 2
+
+    @property
+    def layer_params(self) -> int:
+        """q/k/v/o and the two MLP projections with their biases, two LayerNorms."""
+        h, i = self.hidden, self.intermediate
+        return 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
+
+    @property
+    def patch_embedding_params(self) -> int:
+        return self.num_channels * self.patch_size ** 2 * self.hidden + self.hidden
+
+    @property
+    def connector_params(self) -> int:
+        """Idefics3's connector: one projection of merge^2 patch features to a text embedding."""
+        return self.patches_per_image_token * self.hidden * self.text_hidden
+
+    @property
+    def num_params(self) -> int:
+        """Encoder (patch and position embeddings, layers, final norm) plus connector."""
+        return (self.num_layers * self.layer_params + self.patch_embedding_params
+                + self.patches_per_tile * self.hidden + 2 * self.hidden + self.connector_params)
+
+    @property
+    def flops_per_image_token(self) -> int:
+        """2 FLOPs per weight per patch through the patch embedding and the layers (attention
+        scores left out, as on the text side), merge^2 patches per image token, then the
+        connector once per image token."""
+        per_patch = self.num_layers * self.layer_params + self.patch_embedding_params
+        return 2 * (self.patches_per_image_token * per_patch + self.connector_params)
+
+    @property
+    def activation_values_per_patch_layer(self) -> int:
+        return 8 * self.hidden + 2 * self.intermediate
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRun:
+    """What the model's processor makes of one image of `edge_pixels` x `edge_pixels`: the
+    ids of its run in the context (image tokens and the markup around them), of which
+    `num_image_tokens` are filled by the encoder's features, and the tiles it is cut into
+    (0 for processors that do not tile)."""
+
+    edge_pixels: int
+    num_tokens: int
+    num_image_tokens: int
+    num_tiles: int
+
+
+def largest_image_edge(image_processor: Any) -> int:  # Any: a transformers image processor
+    """The side of the largest square image the processor keeps at full size (larger ones
+    are resized down to it): Idefics3's longest_edge, a max_pixels budget, a fixed size."""
+    size = image_processor.size
+    size = size if isinstance(size, Mapping) else {k: getattr(size, k, None) for k in
+                                                   ("longest_edge", "max_pixels", "height", "width",
+                                                    "shortest_edge")}
+    if size.get("longest_edge"):
+        return int(size["longest_edge"])
+    if size.get("max_pixels"):
+        return math.isqrt(int(size["max_pixels"]))
+    edges = [int(size[k]) for k in ("height", "width", "shortest_edge") if size.get(k)]
+    if not edges:
+        raise ValueError(f"the image processor's size {dict(size)} names no largest image")
+    return max(edges)
+
+
+def measure_image_run(folder: Path, image_token_id: int) -> ImageRun:
+    """Run the model's own processor on one blank square image of the largest size it keeps
+    and count the ids it expands the image's placeholder into (loads transformers)."""
+    from PIL import Image as PILImage
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    edge = largest_image_edge(processor.image_processor)
+    placeholder = getattr(processor, "image_token", None) or "<image>"
+    out = processor(text=[placeholder], images=[[PILImage.new("RGB", (edge, edge))]], return_tensors="np")
+    ids = out["input_ids"][0].tolist()
+    base = len(processor.tokenizer("")["input_ids"])  # special tokens the tokenizer adds to any text
+    pixels = out.get("pixel_values")
+    tiles = int(pixels.shape[1]) if pixels is not None and pixels.ndim == 5 else 0
+    return ImageRun(edge_pixels=edge, num_tokens=len(ids) - base, num_image_tokens=ids.count(image_token_id),
+                    num_tiles=tiles)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageMemory:
+    """Bytes one image token and one image of the processor's largest size cost: on an
+    engine GPU (KV, the text model's per token) and on a train rank (activations)."""
+
+    kv_bytes_per_token: int  # engine GPU, any context token, image or text
+    kv_bytes_per_image: int  # the image's whole run
+    encoder_output_bytes_per_image: int  # the features vLLM keeps until the run is prefilled
+    text_activation_bytes_per_token: int  # train rank: an image token passes the text model too
+    vision_activation_bytes_per_tile: int
+    vision_activation_bytes_per_image_token: int
+
+    @property
+    def train_bytes_per_image_token(self) -> int:
+        return self.text_activation_bytes_per_token + self.vision_activation_bytes_per_image_token
+
+
+def estimate_image_memory(cfg: SluiceConfig, shape: DecoderShape, vision: VisionShape, run: ImageRun,
+                          dtype_bytes: int) -> ImageMemory:
+    """Per image token and per image (see the module docstring for the per-value counts).
+    With activation checkpointing each layer keeps only its input, plus one layer's working
+    set during its recompute, on both the text and the vision side."""
+    if cfg.train.gradient_checkpointing:
+        text = shape.num_layers * shape.hidden + shape.activation_values_per_token_layer
+        patch = vision.num_layers * vision.hidden + vision.activation_values_per_patch_layer
+    else:
+        text = shape.num_layers * shape.activation_values_per_token_layer
+        patch = vision.num_layers * vision.activation_values_per_patch_layer
+    kv = shape.kv_bytes_per_token(dtype_bytes, cfg.rollout.tp_size)
+    return ImageMemory(kv_bytes_per_token=kv, kv_bytes_per_image=run.num_tokens * kv,
+                       encoder_output_bytes_per_image=run.num_image_tokens * vision.text_hidden * dtype_bytes,
+                       text_activation_bytes_per_token=text * dtype_bytes,
+                       vision_activation_bytes_per_tile=vision.patches_per_tile * patch * dtype_bytes,
+                       vision_activation_bytes_per_image_token=vision.patches_per_image_token * patch * dtype_bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryLine:
     """One estimate, in bytes, with its parts for the printout."""
 
@@ -123,11 +294,12 @@ class ModelReport:
 
 
 def resolve_model_folder(path: str) -> Path | None:
-    """The folder a model path names ('tiny' is built into the cache once); None if absent."""
-    if path == "tiny":
-        from trainer.run.tiny_model import ensure_tiny_model
+    """The folder a model path names (a local test model is built into the cache once);
+    None if absent."""
+    from trainer.run.local_models import local_model_folder
 
-        return ensure_tiny_model()
+    if (local := local_model_folder(path)) is not None:
+        return local
     folder = Path(path).expanduser()
     return folder if (folder / "config.json").is_file() else None
 
@@ -154,14 +326,21 @@ def check_models(cfg: SluiceConfig) -> ModelReport:
         except ValueError as exc:
             report.problems.append(str(exc))
         else:
-            _check_policy(cfg, shape, config, report)
+            try:
+                vision = VisionShape.from_config(config)
+            except ValueError as exc:  # a layout the accounts do not read: no account, no problem
+                vision = None
+                report.notes.append(f"image accounts skipped: {exc}")
+            _check_policy(cfg, shape, config, report, vision)
+            if vision is not None:
+                report.notes += image_notes(cfg, shape, vision, config, folder)
     if cfg.reward.judge.enabled:
         _check_judge(cfg, report)
     return report
 
 
 def _check_policy(cfg: SluiceConfig, shape: DecoderShape, config: Mapping[str, Any],
-                  report: ModelReport) -> None:
+                  report: ModelReport, vision: VisionShape | None = None) -> None:
     ctx = cfg.model.max_context_tokens
     if any(text_config(config).get(k) for k in MOE_KEYS):
         report.notes.append("model.path is a mixture-of-experts model: memory estimates below "
@@ -179,9 +358,9 @@ def _check_policy(cfg: SluiceConfig, shape: DecoderShape, config: Mapping[str, A
             f"model.max_context_tokens")
     report.problems += _tp_problems("rollout.tp_size", cfg.rollout.tp_size, shape, cfg.model.path)
     dtype_bytes = compute_dtype_bytes(cfg)
-    report.memory.append(estimate_train_rank(cfg, shape, dtype_bytes))
+    report.memory.append(estimate_train_rank(cfg, shape, dtype_bytes, vision))
     engine, kv_tokens = estimate_engine_gpu(cfg, shape, dtype_bytes, cfg.rollout.tp_size,
-                                            cfg.rollout.kv_cache_memory_bytes)
+                                            cfg.rollout.kv_cache_memory_bytes, vision=vision)
     report.memory.append(engine)
     report.notes.append(f"rollout engine KV cache: {kv_tokens:,} tokens "
                         f"({kv_tokens / ctx:.1f} sequences of model.max_context_tokens at once; "
@@ -257,14 +436,23 @@ def _tp_problems(key: str, tp_size: int, shape: DecoderShape, model: str) -> lis
     return out
 
 
-def estimate_train_rank(cfg: SluiceConfig, shape: DecoderShape, dtype_bytes: int) -> MemoryLine:
-    """Peak memory of one train rank on the longest micro-batch (see the module docstring)."""
-    t = cfg.train
-    ranks, stage, params = t.num_ranks, t.zero_stage, shape.num_params
+def compute_param_state_bytes(params: int, dtype_bytes: int, ranks: int, stage: int
+                              ) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes of `params` trained parameters on one ZeRO rank:
+    fp32 AdamW moments, plus an fp32 master copy when the weights are not fp32."""
     weights = params * dtype_bytes / (ranks if stage >= 3 else 1)
     grads = params * dtype_bytes / (ranks if stage >= 2 else 1)
-    # fp32 AdamW moments, plus an fp32 master copy when the weights are not fp32.
     optimizer = params * 4 * (2 if dtype_bytes == 4 else 3) / (ranks if stage >= 1 else 1)
+    return weights, grads, optimizer
+
+
+def estimate_train_rank(cfg: SluiceConfig, shape: DecoderShape, dtype_bytes: int,
+                        vision: VisionShape | None = None) -> MemoryLine:
+    """Peak memory of one train rank on the longest micro-batch (see the module docstring);
+    a vision encoder and its connector are trained and sharded like the text model."""
+    t = cfg.train
+    ranks, stage = t.num_ranks, t.zero_stage
+    weights, grads, optimizer = compute_param_state_bytes(shape.num_params, dtype_bytes, ranks, stage)
     # A trajectory longer than the micro-batch budget gets a micro-batch of its own.
     tokens = max(t.micro_batch_tokens, cfg.model.max_context_tokens)
     layer_working = tokens * shape.activation_values_per_token_layer * dtype_bytes
@@ -280,6 +468,9 @@ def estimate_train_rank(cfg: SluiceConfig, shape: DecoderShape, dtype_bytes: int
               activations),
              (f"logits ({chunk:,}-token chunk)" if t.logprob_chunk_tokens else
               f"logits (all {tokens:,} tokens)", logits)]
+    if vision is not None:
+        parts.append(("vision encoder (weights, grads, optimizer)",
+                      sum(compute_param_state_bytes(vision.num_params, dtype_bytes, ranks, stage))))
     if stage >= 3:
         # ZeRO-3 gathers a layer's full weights for its forward and prefetches the next.
         parts.append(("ZeRO-3 gathered layers", 2 * shape.layer_params * dtype_bytes))
@@ -288,20 +479,73 @@ def estimate_train_rank(cfg: SluiceConfig, shape: DecoderShape, dtype_bytes: int
 
 
 def estimate_engine_gpu(cfg: SluiceConfig, shape: DecoderShape, dtype_bytes: int, tp_size: int,
-                        kv_cache_memory_bytes: int | None, what: str = "rollout engine"
-                        ) -> tuple[MemoryLine, int]:
+                        kv_cache_memory_bytes: int | None, what: str = "rollout engine",
+                        vision: VisionShape | None = None) -> tuple[MemoryLine, int]:
     """(memory of one engine GPU, tokens its KV cache holds). vLLM's kv_cache_memory_bytes is
-    per GPU; without it the cache takes gpu_memory_utilization of the GPU minus the weights."""
+    per GPU; without it the cache takes gpu_memory_utilization of the GPU minus the weights
+    (a vision encoder's included: vLLM shards it over the TP ranks too)."""
     weights = shape.num_params * dtype_bytes / tp_size
+    vision_weights = vision.num_params * dtype_bytes / tp_size if vision is not None else 0.0
     per_token = shape.kv_bytes_per_token(dtype_bytes, tp_size)
     if kv_cache_memory_bytes is not None:
         kv = float(kv_cache_memory_bytes)
     else:
-        kv = max(0.0, cfg.cluster.gpu_memory_gb * 1e9 * cfg.rollout.gpu_memory_utilization - weights)
+        kv = max(0.0, cfg.cluster.gpu_memory_gb * 1e9 * cfg.rollout.gpu_memory_utilization
+                 - weights - vision_weights)
     device = "GPU" if cfg.cluster.device == "cuda" else "process"
-    line = MemoryLine(f"{what} {device} (tp={tp_size})",
-                      (("weights shard", weights), (f"KV cache ({per_token / 1024:.0f} KiB/token)", kv)))
-    return line, int(kv // per_token)
+    parts: list[tuple[str, float]] = [("weights shard", weights)]
+    if vision is not None:
+        parts.append(("vision encoder shard", vision_weights))
+    parts.append((f"KV cache ({per_token / 1024:.0f} KiB/token)", kv))
+    return MemoryLine(f"{what} {device} (tp={tp_size})", tuple(parts)), int(kv // per_token)
+
+
+def image_notes(cfg: SluiceConfig, shape: DecoderShape, vision: VisionShape, config: Mapping[str, Any],
+                folder: Path) -> list[str]:
+    """The dry-run's lines on what images cost: the vision encoder, one image of the
+    processor's largest size, per image token; and the planner's keys that match."""
+    dtype_bytes = compute_dtype_bytes(cfg)
+    flops = vision.flops_per_image_token
+    lines = [f"vision encoder + connector: {vision.num_params:,} parameters, {_flops(flops)} per "
+             f"image token ({flops / (2 * shape.num_params):.2f} x a text token's prefill, "
+             f"{vision.patches_per_image_token} patches per image token)"]
+    token_id = config.get("image_token_id")
+    if token_id is None:
+        return [*lines, "tokens per image unknown: config.json has no image_token_id"]
+    try:
+        run = measure_image_run(folder, int(token_id))
+    except (OSError, ValueError, ImportError) as exc:  # no processor files, or one this install cannot load
+        return [*lines, f"tokens per image unknown: the processor of model.path could not be run ({exc})"]
+    m = estimate_image_memory(cfg, shape, vision, run, dtype_bytes)
+    tiles = f", {run.num_tiles} tiles of {vision.tile_pixels} px" if run.num_tiles else ""
+    factor = flops * run.num_image_tokens / (2 * shape.num_params * run.num_tokens)
+    return [*lines,
+            f"an image of {run.edge_pixels} x {run.edge_pixels} px (the processor's largest): {run.num_tokens} "
+            f"ids in the context, {run.num_image_tokens} of them image tokens{tiles}",
+            f"per image token: KV {_bytes(m.kv_bytes_per_token)} on an engine GPU (the text model's, as any "
+            f"token); training activations {_bytes(m.train_bytes_per_image_token)} "
+            f"({_bytes(m.text_activation_bytes_per_token)} text model + "
+            f"{_bytes(m.vision_activation_bytes_per_image_token)} vision encoder)",
+            f"per image: KV {_bytes(m.kv_bytes_per_image)} and encoder output "
+            f"{_bytes(m.encoder_output_bytes_per_image)} on an engine GPU; vision encoder activations "
+            f"{_bytes(m.vision_activation_bytes_per_tile)} per tile, "
+            f"{_bytes(m.vision_activation_bytes_per_image_token * run.num_image_tokens)} per image",
+            f"launch.plan for such images: plan.tokens_per_image={run.num_tokens} "
+            f"plan.vision_prefill_factor={factor:.3g}"]
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("TFLOPs", 1e12), ("GFLOPs", 1e9), ("MFLOPs", 1e6), ("kFLOPs", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} FLOPs"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def format_model_report(report: ModelReport) -> str:
