@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -72,6 +73,10 @@ class ImageExpander:
         if len(ids) != 1:
             raise ValueError(f"the image token {token!r} is {len(ids)} tokens for this tokenizer; it must be one")
         self.image_token_id = int(ids[0])
+        # Cumulative, for the worker's stats: images processed and the seconds it took
+        # (decode, resize, tiling, normalising: CPU work on the worker, per observation).
+        self.num_processed = 0
+        self.process_s = 0.0
 
     def expand(self, ids: Sequence[int], images: Sequence[Image]) -> PromptIds:
         """`ids` (one placeholder per image, in order) with each placeholder replaced by its
@@ -99,6 +104,7 @@ class ImageExpander:
     def process(self, image: Image) -> tuple[list[int], dict[str, np.ndarray]]:
         """The run of ids one image becomes and its arrays for the vision encoder (no batch
         dimension; masks as bool)."""
+        start = time.monotonic()
         out = self.processor(text=[self.image_token], images=[[image.to_pil()]], add_special_tokens=False,
                              return_tensors="np")
         run = [int(t) for t in out["input_ids"][0]]
@@ -106,6 +112,8 @@ class ImageExpander:
         for key, value in inputs.items():
             if key.endswith("attention_mask"):
                 inputs[key] = value.astype(bool)
+        self.num_processed += 1
+        self.process_s += time.monotonic() - start
         return run, inputs
 
 

@@ -80,6 +80,9 @@ class WorkerStats:
     gateway: GatewayStats | None = None  # this worker's gateway, if a loop serves one
     durable: DurableStats | None = None  # with durable_dir: the trajectory journals
     router: RouterStats | None = None  # this worker's router (residency counters, moves)
+    # A vision-language policy: images its chat builder processed, and the seconds it took.
+    num_images_processed: int = 0
+    image_process_s: float = 0.0
 
 
 class AgentLoopWorker:
@@ -256,13 +259,15 @@ class AgentLoopWorker:
     def stats(self) -> WorkerStats:
         gateways = [loop.host.stats() for loop in self._loops.values()
                     if isinstance(loop, GatewayAgentLoop) and loop.host is not None]
+        images = getattr(self.chat, "images", None)  # rollout.vision.ImageExpander
         return WorkerStats(self._num_running, sum(self._end_reasons.values()),
                            dict(self._end_reasons), self._num_tool_errors, self._num_divergences,
                            self.rewards.num_errors, self.rewards.num_timeouts, self._env_open_s,
                            self.watchdog.num_stalls, self._num_segments,
                            sum_gateway_stats(gateways) if gateways else None,
                            self._durable if self.durable is not None else None,
-                           self.router.stats())
+                           self.router.stats(), images.num_processed if images else 0,
+                           images.process_s if images else 0.0)
 
 
 def join_segments(earlier: Sequence[Trajectory], last: Trajectory, ctx: AgentContext) -> list[Trajectory]:

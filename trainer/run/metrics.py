@@ -322,6 +322,9 @@ def compute_loop_metrics(buffer: "BufferStats", engines: Mapping[str, "EngineSta
            "rollout/event_loop_stalls": float(sum(w.num_loop_stalls for w in workers))}
     if resets := sum(e.mm_cache_resets for e in engines.values()):  # vision-language engines only
         out["perf/mm_cache_resets"] = float(resets)
+    if images := sum(w.num_images_processed for w in workers):  # a vision-language policy only
+        out["rollout/images_processed_total"] = float(images)
+        out["rollout/image_process_s_total"] = float(sum(w.image_process_s for w in workers))
     gateways = [w.gateway for w in workers if w.gateway is not None]
     if gateways:  # totals over every worker's gateway (black-box harness sessions)
         out.update(sum_gateway_stats(gateways).as_metrics())
