@@ -22,6 +22,11 @@ constant of about H + 2 values per position, plus one chunk's logits. At 65,536 
 Qwen3's 151,936-entry vocabulary the unchunked fp32 logits alone are 40 GB (three times
 that with softmax and gradients); one 2,048-position chunk is 1.2 GB.
 
+A row that holds images (vision-language policies) also passes the model its vision
+inputs, built from the rollout processor's arrays (`trainer.train.backends.vision`); the
+chunked path then runs the multimodal base model, which merges the image features into
+the embeddings, in place of the text decoder alone.
+
 The chunked path still calls the model through its own `__call__` (a DeepSpeed engine's
 forward included), with a forward installed on the Hugging Face module that returns the
 logprobs instead of logits: DeepSpeed registers its backward prologue (ZeRO's gradient
@@ -37,6 +42,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from trainer.train.backends.packing import PackedBatch
+from trainer.train.backends.vision import build_vision_kwargs, check_image_runs, hidden_state_module
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -99,7 +105,8 @@ def _hf_model(model: torch.nn.Module) -> PreTrainedModel:
 
 def _attention_kwargs(model: PreTrainedModel, packed: PackedBatch, device: torch.device,
                       dtype: torch.dtype) -> dict[str, torch.Tensor | int]:
-    config = model.config
+    # The text model's: a vision-language model's vision tower has its own (build_policy_model).
+    config = model.config.get_text_config()
     impl = getattr(config, "_attn_implementation", "sdpa")
     if impl in VARLEN_ATTENTION:
         cu_seqlens = packed.cu_seqlens.to(device)
@@ -200,7 +207,7 @@ def _install_logprob_forward(model: PreTrainedModel) -> None:
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (an LM head); "
                              "chunked logprobs need a causal LM: set train.logprob_chunk_tokens=0")
-        hidden_BTH = model.get_decoder()(*args, **kwargs).last_hidden_state
+        hidden_BTH = hidden_state_module(model)(*args, **kwargs).last_hidden_state
         return compute_chunked_logprobs(hidden_BTH[0], head,
                                         target_ids_T, temperature, with_entropy, entropy_grad,
                                         chunk_tokens)
@@ -220,12 +227,16 @@ def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBat
     last position of each sequence (no target) are computed but meaningless; callers use
     `packed.loss_mask_T`. Gradients flow when called outside `torch.no_grad()`.
     `chunk_tokens` > 0 computes them from hidden states that many positions at a time
-    (`compute_chunked_logprobs`); 0 materialises the whole row's logits.
+    (`compute_chunked_logprobs`); 0 materialises the whole row's logits. A row with
+    `packed.images` needs a vision-language model (`trainer.train.backends.vision`).
     """
     inner = _hf_model(model)
     param = next(inner.parameters())
     device = param.device
-    kwargs = _attention_kwargs(inner, packed, device, param.dtype)
+    kwargs: dict[str, torch.Tensor | int] = dict(_attention_kwargs(inner, packed, device, param.dtype))
+    if packed.images:
+        check_image_runs(inner.config, packed.input_ids_T, packed.images)
+        kwargs.update(build_vision_kwargs(inner.config, packed.images, device, param.dtype))
     target_ids_T = packed.target_ids_T.to(device)
     inputs = dict(input_ids=packed.input_ids_T[None].to(device),
                   position_ids=packed.position_ids_T[None].to(device), use_cache=False, **kwargs)

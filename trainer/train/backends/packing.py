@@ -13,6 +13,11 @@ holding sequences s = 0..S-1 (each the trajectory's prompt + response ids):
 Position t of a sequence predicts its token t+1, so response token j of a trajectory with
 a prompt of P tokens sits at packed position start + P + j - 1. The last position of each
 sequence has no target: mask 0, target id 0 (any valid id; its logprob is never used).
+
+Images (vision-language trajectories) travel with the row: each `TrajectoryImage` of each
+sequence, its `start` moved to row coordinates, in row order, which is the order the
+model fills image-token positions in (`trainer.train.backends.vision` turns them into the
+model's vision inputs). Their arrays are the rollout processor's own, never re-derived.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from envs.types import Trajectory
+from envs.types import Trajectory, TrajectoryImage
 from trainer.train.advantages import broadcast_to_tokens
 
 
@@ -41,6 +46,8 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # int32, (S + 1,): start of each sequence, then T
     traj_indices: tuple[int, ...]  # position of each sequence in the list given to the packer
     prompt_lens: tuple[int, ...]  # prompt tokens of each sequence (to find its response)
+    # Every sequence's images, `start` in row coordinates, in row order; () for text rows.
+    images: tuple[TrajectoryImage, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -89,9 +96,13 @@ def pack_trajectories(trajectories: Sequence[Trajectory], advantages_B: torch.Te
     parts: dict[str, list[np.ndarray]] = {k: [] for k in (
         "ids", "pos", "tgt", "mask", "behav", "seq")}
     advantages: list[torch.Tensor] = []
+    images: list[TrajectoryImage] = []
+    offset = 0
     for s, traj in enumerate(trajectories):
         ids = traj.input_ids().astype(np.int64)
         n, p = len(ids), len(traj.prompt_ids)
+        images += _row_images(traj, n, offset)
+        offset += n
         # Shift by one: the value for response token j lands where it is predicted (p + j - 1).
         mask = np.zeros(n, dtype=bool)
         mask[p - 1:n - 1] = traj.response_mask == 1
@@ -119,7 +130,26 @@ def pack_trajectories(trajectories: Sequence[Trajectory], advantages_B: torch.Te
         advantages_T=torch.cat(advantages),
         seq_index_T=torch.from_numpy(np.concatenate(parts["seq"])),
         cu_seqlens=cu_seqlens, traj_indices=labels,
-        prompt_lens=tuple(len(t.prompt_ids) for t in trajectories))
+        prompt_lens=tuple(len(t.prompt_ids) for t in trajectories), images=tuple(images))
+
+
+def _row_images(traj: Trajectory, num_ids: int, offset: int) -> list[TrajectoryImage]:
+    """`traj`'s images moved `offset` positions on (where its sequence starts in the row).
+
+    Trajectory checks its runs on construction; this re-checks that each run lies inside
+    its own sequence, because a run that spilled into the next sequence would hand that
+    sequence's positions another trajectory's image features. Whether a run holds its
+    `num_image_tokens` image-token ids needs the model's image-token id: vision.py checks it.
+    """
+    out, end = [], 0
+    for image in traj.images:
+        if image.start < end or image.end > num_ids:
+            raise ValueError(f"trajectory {traj.task_id}/{traj.index}: image run [{image.start}, {image.end}) "
+                             f"is out of order or outside its {num_ids} ids; image starts count positions "
+                             "in Trajectory.input_ids() (prompt + response)")
+        out.append(image.shifted(offset))
+        end = image.end
+    return out
 
 
 def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -1,5 +1,11 @@
 """Loading the trainable policy from a Hugging Face folder, and reading its weights back
-under Hugging Face names, for the training backends."""
+under Hugging Face names, for the training backends.
+
+A folder whose config has a `vision_config` is a vision-language model (Idefics3 /
+SmolVLM): it loads with AutoModelForImageTextToText, its text model gets the packed
+attention and its vision tower plain sdpa. Its weight names are the checkpoint's own
+(`model.vision_model.*`, `model.connector.*`, `model.text_model.*`, `lm_head.*`), the names
+vLLM's Idefics3 loads, so the push needs no renaming."""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ from typing import Any
 
 import torch
 
-from trainer.train.backends.logprobs import PACKED_SDPA, register_packed_sdpa
+from trainer.train.backends.logprobs import MASKED_ATTENTION, PACKED_SDPA, register_packed_sdpa
+from trainer.train.backends.vision import is_vision_language
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +56,36 @@ def choose_attention(device: torch.device) -> str:
     return PACKED_SDPA
 
 
+def zero_dropout(config: Any) -> None:  # Any: a transformers PretrainedConfig
+    """Set every dropout probability of `config` and of its sub-configs (a vision-language
+    model's text and vision configs) to 0."""
+    for name in DROPOUT_FIELDS:
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+    for key in getattr(config, "sub_configs", {}):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            zero_dropout(sub)
+
+
+def attention_per_sub_model(config: Any, attn: str) -> str | dict[str, str]:
+    """`attn_implementation` for from_pretrained: `attn` for a text model; for a
+    vision-language model a dict per sub-config (transformers' form): `attn` for the
+    top level and the text model, sdpa for the others. The vision tower attends
+    bidirectionally over a batch of tiles under a padding mask; the packed per-sequence
+    attention (causal, one row) and flash-attn's varlen kwargs are the text model's only."""
+    if not is_vision_language(config):
+        return attn
+    tower = attn if attn in MASKED_ATTENTION else "sdpa"
+    return {"": attn, **{key: attn if key == "text_config" else tower for key in config.sub_configs}}
+
+
 def build_policy_model(model_path: str | Path, dtype: torch.dtype, device: torch.device,
                        gradient_checkpointing: bool = False,
                        attn_implementation: str | None = None,
                        config_overrides: Mapping[str, Any] | None = None) -> torch.nn.Module:
-    """The causal LM with dropout off, KV cache off and optional activation checkpointing.
+    """The causal LM (or vision-language model) with dropout off, KV cache off and optional
+    activation checkpointing.
 
     `config_overrides` are set on the model config before the weights load: the recipe's
     RoPE scaling (`rollout.rope.build_rope_overrides`), the same the engines get.
@@ -61,7 +93,7 @@ def build_policy_model(model_path: str | Path, dtype: torch.dtype, device: torch
     Dropout is zeroed because the PPO ratio compares two forwards of the same weights (the
     proximal and the current pass); random masks would make it noisy even on-policy.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if not Path(model_path).is_dir():
         raise ValueError(f"model.path {str(model_path)!r} is not a folder; give a Hugging Face "
@@ -71,15 +103,16 @@ def build_policy_model(model_path: str | Path, dtype: torch.dtype, device: torch
         from rollout.rope import apply_config_overrides
 
         apply_config_overrides(config, config_overrides)
-    for name in DROPOUT_FIELDS:
-        if isinstance(getattr(config, name, None), float):
-            setattr(config, name, 0.0)
+    zero_dropout(config)
     config.use_cache = False
+    config.get_text_config().use_cache = False
     attn = attn_implementation or choose_attention(device)
     if attn == PACKED_SDPA:
         register_packed_sdpa()
-    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=dtype,
-                                                 attn_implementation=attn)
+    # AutoModelForCausalLM does not map vision-language configs (Idefics3Config).
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    model = auto.from_pretrained(model_path, config=config, dtype=dtype,
+                                 attn_implementation=attention_per_sub_model(config, attn))
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
