@@ -2,8 +2,8 @@
 model): the continuity builder expands each image as the processor does, the engine sends
 vLLM the placeholders and the images and checks that vLLM arrives at the same ids, its
 logprobs equal transformers' with the pixel arrays the trajectory keeps, and a weight push
-resets the engine's encoder cache (a push with the reset switched off serves features the
-old vision tower computed: the check below catches it)."""
+resets the engine's encoder and processor caches (test_engine_vision_resets.py shows what
+a push without them does)."""
 
 from __future__ import annotations
 
@@ -159,29 +159,3 @@ async def test_a_push_resets_the_multimodal_caches_and_the_next_request_sees_the
     after = _reference_logprobs(model, context, out.token_ids)
     assert np.abs(out.logprobs - after).max() < 1e-4
     assert np.abs(out.logprobs - before).max() > 1e-3  # the push changed what the images encode to
-
-
-async def test_without_the_resets_a_push_leaves_the_engine_unable_to_serve_a_cached_image(chat, vl_path, monkeypatch):
-    """The check above fails without the resets: vLLM's in-place reload clears the model
-    runner's encoder cache but not its scheduler's record of it, so the next request with
-    an image seen before is scheduled without encoding it and the engine dies."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    engine = VLLMEngine(EngineSpec(model_path=str(vl_path), max_model_len=2048, enforce_eager=True,
-                                   kv_cache_memory_bytes=128 << 20, max_num_seqs=8))
-    await engine.start()
-    try:
-        context = _context(chat)
-        sampling = Sampling(max_new_tokens=4, seed=5, stop_token_ids=())
-        await engine.generate("warm", context, sampling, for_engine(context.images))
-        monkeypatch.setattr(engine, "_reset_multimodal_caches", _no_reset)
-        state = _perturbed(_model(vl_path), seed=1, prefix="model.vision_model.")
-        await engine.update_weights(1, blob=_blob(state))
-        with pytest.raises(EngineDeadError):
-            await engine.generate("after", context, sampling, for_engine(context.images))
-    finally:
-        engine.shutdown()
-
-
-async def _no_reset() -> None:
-    return None
