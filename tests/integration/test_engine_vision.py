@@ -159,3 +159,17 @@ async def test_a_push_resets_the_multimodal_caches_and_the_next_request_sees_the
     after = _reference_logprobs(model, context, out.token_ids)
     assert np.abs(out.logprobs - after).max() < 1e-4
     assert np.abs(out.logprobs - before).max() > 1e-3  # the push changed what the images encode to
+
+
+def test_the_start_up_template_check_plays_images_and_refuses_a_template_that_drops_them(vl_path):
+    import copy
+
+    from rollout.template_check import probe_template
+    from trainer.run.tiny_vl_model import IMAGE_TOKEN, VL_CHAT_TEMPLATE
+
+    tokenizer, images = load_tokenizer(vl_path), load_image_expander(vl_path)
+    assert probe_template(tokenizer, images=images).family == "tiny"
+    dropping = copy.deepcopy(tokenizer)
+    dropping.chat_template = VL_CHAT_TEMPLATE.replace(f"'{IMAGE_TOKEN}'", "''")  # image parts render nothing
+    with pytest.raises(ValueError, match=r"renders 0 image placeholder\(s\) '<image>' for 2 image part\(s\)"):
+        probe_template(dropping, images=images)
