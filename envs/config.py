@@ -18,8 +18,8 @@ class EnvsConfig:
     tools: dict[str, str] = mapping_knob(
         "Extra tools tasks may name, as name -> built-in name or import string "
         "'package.module:Class' (built with the trajectory's TrajectoryEnv); they join the "
-        "built-ins (calculator, bash, python, read_file, write_file, str_replace, run_tests, "
-        "submit) and may replace one of them.")
+        "built-ins (calculator, screenshot, bash, python, read_file, write_file, str_replace, "
+        "run_tests, submit) and may replace one of them.")
     sandbox_backend: str = knob(
         "local", "Sandbox backend: a built-in name (envs.sandbox.backends: local: namespaces + "
         "rlimits + cgroups; container: podman/docker per task image) or an import string "

@@ -36,6 +36,8 @@ SYSTEM_TIER = (
     "integration/test_multinode.py",  # a 4-node cluster's run: placement, gloo push, hacks
     "integration/test_launch_doctor.py",  # the doctor on a 4-node cluster
     "integration/test_engine_tp.py",  # a TP=2 engine in a placement group
+    "integration/test_vision_toy_run.py",  # trainer.main on the vision recipe (its own warm start)
+    "integration/test_engine_vision_resets.py",  # a vision engine killed by a push without cache resets
 )
 # The sandbox and grading matrices run on the local backend in `make test` and on the
 # container backend (`backend` fixture parameter) in the system tier.

@@ -2,6 +2,7 @@
 
     load_tasks("toy_arithmetic")            bundled sets by name (BUILTIN_SETS); the
                                             toy sets have a `_heldout` twin for eval
+    load_tasks("toy_screens")               (the visual one: envs.tasks.screens)
     load_tasks("code_functions")
     load_tasks("data/tasks.jsonl")          rows of the task row format (envs.tasks.rows)
     load_tasks("data/swe.parquet", "swe")   SWE-bench-style instances (envs.tasks.swe)
@@ -28,6 +29,9 @@ from envs.tasks.build_swe_smith import (build_bundled_image_set, build_bundled_s
 from envs.tasks.code import SET_NAME as CODE_SET
 from envs.tasks.code import build_code_tasks
 from envs.tasks.rows import read_rows, task_from_row
+from envs.tasks.screens import HELDOUT_SET_NAME as SCREENS_HELDOUT_SET
+from envs.tasks.screens import SET_NAME as SCREENS_SET
+from envs.tasks.screens import build_toy_screens, build_toy_screens_heldout
 from envs.tasks.swe import is_swe_row, swe_task_from_row
 from envs.tasks.toy import EASY_SET_NAME as TOY_EASY_SET
 from envs.tasks.toy import HELDOUT_SUFFIX
@@ -41,6 +45,9 @@ BUILTIN_SETS: dict[str, tuple[str, Callable[[str], list[Task]]]] = {
     TOY_EASY_SET: ("toy", lambda cache_dir: build_toy_arithmetic_easy()),
     TOY_SET + HELDOUT_SUFFIX: ("toy", lambda cache_dir: build_heldout(TOY_SET)),
     TOY_EASY_SET + HELDOUT_SUFFIX: ("toy", lambda cache_dir: build_heldout(TOY_EASY_SET)),
+    # What colour is the square on the screen: the screenshot tool's images (vision-language models).
+    SCREENS_SET: ("toy", lambda cache_dir: build_toy_screens()),
+    SCREENS_HELDOUT_SET: ("toy", lambda cache_dir: build_toy_screens_heldout()),
     CODE_SET: ("code", build_code_tasks),
     # SWE-smith-style bugs in hjson, built once into the cache (about 2 minutes).
     SWE_SMITH_SET: ("swe", lambda cache_dir: _read_bundled_swe(build_bundled_set(cache_dir),

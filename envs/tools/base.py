@@ -79,6 +79,7 @@ def needs_sandbox(tool_class: ToolClass) -> bool:
 # The tool plug-in point: the built-in tools by the name tasks call them.
 TOOLS = PluginPoint("tool", "envs.tools.<name>", {
     "calculator": "envs.tools.calculator:CalculatorTool",
+    "screenshot": "envs.tools.screenshot:ScreenshotTool",
     "bash": "envs.tools.sandbox_tools:BashTool",
     "python": "envs.tools.sandbox_tools:PythonTool",
     "read_file": "envs.tools.sandbox_tools:ReadFileTool",

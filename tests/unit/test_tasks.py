@@ -152,7 +152,7 @@ def test_code_task_set_layout(tmp_path: Path) -> None:
     assert len(tasks) == len(specs) >= 30
     assert set(BUILTIN_SETS) == {"toy_arithmetic", "toy_arithmetic_easy", "code_functions",
                                  "toy_arithmetic_heldout", "toy_arithmetic_easy_heldout",
-                                 "swe_smith_hjson", "swe_smith_images"}
+                                 "swe_smith_hjson", "swe_smith_images", "toy_screens", "toy_screens_heldout"}
     for task in tasks:
         spec = specs[task.id.split("/", 1)[1]]
         assert task.reward_fn == "reward.grading.hidden_tests:HiddenTests"

@@ -201,7 +201,7 @@ def test_a_real_run_with_a_bad_task_file_stops_before_anything_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert problems_of(proc.stderr) == [
-        "envs.tasks: task 'a' names tool 'nope', which is neither a built-in (calculator, bash, "
+        "envs.tasks: task 'a' names tool 'nope', which is neither a built-in (calculator, screenshot, bash, "
         "python, read_file, write_file, str_replace, run_tests, submit) nor in envs.tools; add "
         "envs.tools.nope=package.module:Class to the recipe or fix the task's 'tools'"]
     assert not runs.exists()
@@ -251,7 +251,7 @@ def test_model_folder_problems(tmp_path, tiny_model_path):
                                           f"model.path={tmp_path / 'nowhere'}"])
     assert validate_run(cfg) == [f"model.path: '{tmp_path / 'nowhere'}' is not a folder; give a "
                                  "Hugging Face model folder (config.json, weights, tokenizer) or "
-                                 "'tiny' for the local test model"]
+                                 "'tiny' (text) or 'tiny-vl' (vision-language) for a local test model"]
     # A copy of the tiny model without weights and without a chat template.
     folder = tmp_path / "model"
     folder.mkdir()
