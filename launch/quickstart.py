@@ -108,21 +108,34 @@ def build_demonstrations(task_set: str, max_observation_tokens: int, count_token
 def warm_start_model(base_path: str | Path, task_set: str, *, steps: int,
                      max_observation_tokens: int, cache_root: Path) -> Path:
     """The base model after `steps` supervised steps on toy demonstrations (cached)."""
-    from rollout.chat import build_continuity_builder, load_tokenizer
-    from trainer.train.sft import build_sft_example, demonstrations_key, run_sft
+    from rollout.chat import load_tokenizer
 
     tokenizer = load_tokenizer(base_path)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     demos = build_demonstrations(task_set, max_observation_tokens, count)
-    out = cache_root / f"warm-{demonstrations_key(base_path, demos, steps)}"
+    return supervised_warm_start(base_path, demos, task_set, steps=steps, batch_size=32, cache_root=cache_root)
+
+
+def supervised_warm_start(base_path: str | Path, demos: list[Demonstration], what: str, *, steps: int,
+                          batch_size: int, cache_root: Path, key_suffix: str = "") -> Path:
+    """`base_path` after `steps` supervised steps on `demos` (demonstrations of `what`),
+    cached under `cache_root` by the demonstrations, the model and the steps (`key_suffix`:
+    what else the result depends on, e.g. the images the demonstrations show); images in
+    the demonstrations go through the model's processor as in a run."""
+    from rollout.chat import build_continuity_builder, load_tokenizer
+    from rollout.vision import load_image_expander
+    from trainer.train.sft import build_sft_example, demonstrations_key, run_sft
+
+    out = cache_root / f"warm-{demonstrations_key(base_path, demos, steps)}{key_suffix}"
     with build_lock(out):  # concurrent runs: one trains, the others wait and reuse it
         if (out / "config.json").is_file():
             return out
         with FirstUse(f"the warm start of {Path(base_path).name} ({len(demos)} demonstrations of "
-                      f"{task_set})", out, total=steps) as progress:
-            chat = build_continuity_builder(tokenizer, "auto")
+                      f"{what})", out, total=steps) as progress:
+            tokenizer = load_tokenizer(base_path)
+            chat = build_continuity_builder(tokenizer, "auto", images=load_image_expander(base_path))
             examples = [build_sft_example(tokenizer, chat, d) for d in demos]
-            result = run_sft(base_path, out, examples, steps=steps, batch_size=32,
+            result = run_sft(base_path, out, examples, steps=steps, batch_size=batch_size,
                              on_step=progress.advance)
     log.info("warm start: loss %.3f -> %.3f in %.1fs", result.first_loss, result.last_loss,
              result.seconds)

@@ -32,11 +32,10 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from envs.cache import build_lock
-from envs.progress import FirstUse
 from envs.tasks.screens import SET_NAME, build_toy_screens
 from envs.tools.screenshot import COLOURS, ScreenshotTool, screenshot_result
 from envs.types import Message, Task, ToolCall
+from launch.quickstart import supervised_warm_start
 
 if TYPE_CHECKING:
     from trainer.run.config import SluiceConfig
@@ -95,25 +94,9 @@ def images_key(demos: list[Demonstration]) -> str:
 def warm_start_model(base_path: str | Path, *, steps: int, cache_root: Path) -> Path:
     """The vision-language model `base_path` after `steps` supervised steps on toy_screens
     demonstrations (cached)."""
-    from rollout.chat import build_continuity_builder, load_tokenizer
-    from rollout.vision import load_image_expander
-    from trainer.train.sft import build_sft_example, demonstrations_key, run_sft
-
     demos = build_demonstrations()
-    out = cache_root / f"warm-{demonstrations_key(base_path, demos, steps)}-{images_key(demos)}"
-    with build_lock(out):  # concurrent runs: one trains, the others wait and reuse it
-        if (out / "config.json").is_file():
-            return out
-        with FirstUse(f"the warm start of {Path(base_path).name} ({len(demos)} demonstrations of "
-                      f"{SET_NAME})", out, total=steps) as progress:
-            tokenizer = load_tokenizer(base_path)
-            chat = build_continuity_builder(tokenizer, "auto", images=load_image_expander(base_path))
-            examples = [build_sft_example(tokenizer, chat, d) for d in demos]
-            result = run_sft(base_path, out, examples, steps=steps, batch_size=SFT_BATCH_SIZE,
-                             on_step=progress.advance)
-    log.info("warm start: loss %.3f -> %.3f in %.1fs", result.first_loss, result.last_loss,
-             result.seconds)
-    return out
+    return supervised_warm_start(base_path, demos, SET_NAME, steps=steps, batch_size=SFT_BATCH_SIZE,
+                                 cache_root=cache_root, key_suffix=f"-{images_key(demos)}")
 
 
 def screens_warm_start(base_path: Path, cfg: SluiceConfig) -> Path:
