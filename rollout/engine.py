@@ -329,6 +329,7 @@ class VLLMEngine:
         self._update_lock = asyncio.Lock()
         self._reset_refused = 0
         self._mm_cache_resets = 0  # multimodal cache resets after weight loads (vision models)
+        self._multimodal = False  # the model takes images (read from vLLM's model config at start)
         self._ipc_dir: str | None = None  # the engine's sockets (new_ipc_dir)
         self._kv_log = KvEventLog()  # stays empty unless spec.kv_events
         self._kv_reader: threading.Thread | None = None
@@ -378,6 +379,7 @@ class VLLMEngine:
         try:
             with engine_core_env(s, self._ipc_dir):
                 self._llm = AsyncLLM.from_engine_args(build_engine_args(s, endpoint))
+            self._multimodal = self._llm.model_config.is_multimodal_model
         except BaseException:  # a failed or interrupted start leaves no socket folder behind
             self._stop_kv_reader()
             self._remove_ipc_dir()
@@ -524,7 +526,7 @@ class VLLMEngine:
         the old vision tower computed (vLLM keys them by image, not by weights, and keeps
         them for reuse by later requests with the same image): reset it, and the processor
         cache with it (vLLM's own calls), so the next request encodes its images anew."""
-        if not self._llm.model_config.is_multimodal_model:
+        if not self._multimodal:
             return
         await self._llm.reset_mm_cache()
         await self._llm.reset_encoder_cache()

@@ -150,10 +150,9 @@ def _check_decodes(data: bytes, param: str) -> None:
             opened.load()  # a truncated or corrupt file fails here, not in the processor later
     except ProtocolError:
         raise
-    # Broad on purpose: PIL's decoders report corrupt input as OSError, SyntaxError,
-    # ValueError, EOFError, struct.error or DecompressionBombError, by format; any of
-    # them is the client's bytes, a 400, never a 500.
-    except Exception as exc:
+    # PIL's decoders report corrupt input as OSError, SyntaxError, ValueError, EOFError,
+    # struct.error or DecompressionBombError, by format: any of them is the client's bytes.
+    except Exception as exc:  # broad: whatever the decoder raises is a 400, never a 500
         raise invalid(param, f"{param}: the image data cannot be decoded as an image "
                              f"({type(exc).__name__}: {str(exc):.200}); send a PNG, JPEG, GIF or WebP file") from exc
     with _decoded_lock:
