@@ -7,6 +7,8 @@ a push without them does)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -17,7 +19,11 @@ from envs.types import Image, Message, ToolCall
 from rollout.chat import build_continuity_builder, check_continuity, load_tokenizer
 from rollout.engine import EngineSpec, Sampling, VLLMEngine
 from rollout.vision import PromptIds, for_engine, load_image_expander
+from test_trainer_vision import (SERVED_AS_PUSHED, image_case, perturbed_backend, processor,  # noqa: F401 - fixtures
+                                 reference_logprobs, text_trajectory, vl_model_path)
 from trainer.run.tiny_vl_model import ensure_tiny_vl_model
+from trainer.train.backends.logprobs import compute_token_logprobs_and_entropy
+from trainer.train.backends.packing import pack_trajectories, unpack_sequences
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the engine fixture's loop
 
@@ -173,3 +179,63 @@ def test_the_start_up_template_check_plays_images_and_refuses_a_template_that_dr
     dropping.chat_template = VL_CHAT_TEMPLATE.replace(f"'{IMAGE_TOKEN}'", "''")  # image parts render nothing
     with pytest.raises(ValueError, match=r"renders 0 image placeholder\(s\) '<image>' for 2 image part\(s\)"):
         probe_template(dropping, images=images)
+
+
+# The trainer's side of a push (test_trainer_vision.py's fixtures), on this file's engine.
+@in_module_loop
+async def test_a_push_of_trainer_vl_weights_is_served_by_vllm(vl_engine, vl_model_path, processor):  # noqa: F811 - fixtures
+    """The trainer's names are the ones vLLM's Idefics3 loads: after a push of perturbed
+    weights the engine's checksums of vision and text tensors are the trainer's, and a
+    text prompt's logprobs are the perturbed model's."""
+    from rollout.engine import Sampling
+    from rollout.weight_protocol import checksum_tensors, encode_state, expected_checksum
+
+    backend = perturbed_backend(vl_model_path, seed=5)
+    state = backend.state_dict_for_push()
+    assert [spec[0] for spec in backend.push_specs()] == list(state)
+    names, digest = expected_checksum(state)
+    assert any(n.startswith("model.vision_model.") for n in names)
+    assert await vl_engine.checksum(SERVED_AS_PUSHED) != checksum_tensors(state, SERVED_AS_PUSHED)
+    await vl_engine.update_weights(vl_engine.version + 1, blob=encode_state(state))
+    assert await vl_engine.checksum(names) == digest
+    assert await vl_engine.checksum(SERVED_AS_PUSHED) == checksum_tensors(state, SERVED_AS_PUSHED)
+
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "Which cell is red?"}],
+                                                   tokenize=False, add_generation_prompt=True)
+    prompt = processor.tokenizer.encode(text, add_special_tokens=False)
+    out = await vl_engine.generate("vl-push-text", prompt, Sampling(max_new_tokens=12, seed=3))
+    assert np.all(out.versions == vl_engine.version)
+    ref = reference_logprobs(backend.forward_model.eval(), prompt + out.token_ids.tolist())[len(prompt) - 1:]
+    assert np.abs(out.logprobs - ref.numpy()).max() < 1e-3
+
+
+@in_module_loop
+async def test_after_a_push_engine_and_trainer_score_an_image_prompt_alike(vl_engine, vl_model_path, image_case):  # noqa: F811 - fixtures
+    """Beyond text: the same image before and after a push (vLLM must not reuse features
+    the old vision tower computed), then the engine's logprobs of its sample against the
+    trainer's packed forward of that sample with the trajectory's own image arrays."""
+    from rollout.engine import Sampling
+    from rollout.weight_protocol import encode_state
+
+    traj = image_case.trajectory
+    prompt = traj.prompt_ids.tolist()
+    images = tuple(i for i in traj.images if i.end <= len(prompt))
+    assert len(images) == 1
+    sampling = Sampling(max_new_tokens=10, seed=4)
+    before = await vl_engine.generate("vl-image-before", prompt, sampling, images=images)
+    backend = perturbed_backend(vl_model_path, seed=6)
+    await vl_engine.update_weights(vl_engine.version + 1, blob=encode_state(backend.state_dict_for_push()))
+    after = await vl_engine.generate("vl-image-after", prompt, sampling, images=images)
+    assert np.all(after.versions == vl_engine.version)
+
+    n = len(after.token_ids)
+    sample = dataclasses.replace(traj, response_ids=after.token_ids, response_mask=np.ones(n, np.int8),
+                                 logprobs=after.logprobs, versions=after.versions, images=images)
+    packed = pack_trajectories([text_trajectory(1, 9, 21, 0), sample], torch.zeros(2))
+    with torch.no_grad():
+        logprobs_T, _ = compute_token_logprobs_and_entropy(backend.forward_model.eval(), packed, chunk_tokens=7)
+    trainer = unpack_sequences(packed, logprobs_T)[1][len(prompt) - 1:-1].numpy()
+    worst = np.abs(after.logprobs - trainer).max()
+    assert worst < 1e-3, f"engine vs trainer logprobs after the push differ by up to {worst:.2e}"
+    if np.array_equal(before.token_ids[:n], after.token_ids):  # same tokens: their scores must have moved
+        assert np.abs(before.logprobs[:n] - after.logprobs).max() > 1e-3

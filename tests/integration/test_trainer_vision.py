@@ -19,7 +19,6 @@ import os
 
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
 from PIL import Image as PILImage, ImageDraw
 
@@ -334,18 +333,6 @@ def test_warm_start_trains_on_image_examples_and_saves_a_vl_model(vl_model_path,
     assert (result.path / "processor_config.json").is_file() and (result.path / "chat_template.jinja").is_file()
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def vl_engine(vl_model_path):
-    """An in-process vLLM engine on the tiny VL model (its engine core in this process)."""
-    from rollout.engine import EngineSpec, VLLMEngine
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    engine = VLLMEngine(EngineSpec(model_path=str(vl_model_path), enforce_eager=True, kv_cache_memory_bytes=1 << 28))
-    await engine.start()
-    yield engine
-    engine.shutdown()
-
-
 def perturbed_backend(vl_model_path, seed: int):
     """A torch backend on the tiny VL model whose weights all moved (as after training)."""
     from trainer.train.backends.torch_backend import TorchBackend
@@ -368,62 +355,3 @@ SERVED_AS_PUSHED = ["model.vision_model.embeddings.patch_embedding.weight",
                     "model.vision_model.encoder.layers.0.mlp.fc1.bias",
                     "model.vision_model.encoder.layers.1.self_attn.out_proj.bias",
                     "model.text_model.layers.1.post_attention_layernorm.weight"]
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_a_push_of_trainer_vl_weights_is_served_by_vllm(vl_engine, vl_model_path, processor):
-    """The trainer's names are the ones vLLM's Idefics3 loads: after a push of perturbed
-    weights the engine's checksums of vision and text tensors are the trainer's, and a
-    text prompt's logprobs are the perturbed model's."""
-    from rollout.engine import Sampling
-    from rollout.weight_protocol import checksum_tensors, encode_state, expected_checksum
-
-    backend = perturbed_backend(vl_model_path, seed=5)
-    state = backend.state_dict_for_push()
-    assert [spec[0] for spec in backend.push_specs()] == list(state)
-    names, digest = expected_checksum(state)
-    assert any(n.startswith("model.vision_model.") for n in names)
-    assert await vl_engine.checksum(SERVED_AS_PUSHED) != checksum_tensors(state, SERVED_AS_PUSHED)
-    await vl_engine.update_weights(vl_engine.version + 1, blob=encode_state(state))
-    assert await vl_engine.checksum(names) == digest
-    assert await vl_engine.checksum(SERVED_AS_PUSHED) == checksum_tensors(state, SERVED_AS_PUSHED)
-
-    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "Which cell is red?"}],
-                                                   tokenize=False, add_generation_prompt=True)
-    prompt = processor.tokenizer.encode(text, add_special_tokens=False)
-    out = await vl_engine.generate("vl-push-text", prompt, Sampling(max_new_tokens=12, seed=3))
-    assert np.all(out.versions == vl_engine.version)
-    ref = reference_logprobs(backend.forward_model.eval(), prompt + out.token_ids.tolist())[len(prompt) - 1:]
-    assert np.abs(out.logprobs - ref.numpy()).max() < 1e-3
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_after_a_push_engine_and_trainer_score_an_image_prompt_alike(vl_engine, vl_model_path, image_case):
-    """Beyond text: the same image before and after a push (vLLM must not reuse features
-    the old vision tower computed), then the engine's logprobs of its sample against the
-    trainer's packed forward of that sample with the trajectory's own image arrays."""
-    from rollout.engine import Sampling
-    from rollout.weight_protocol import encode_state
-
-    traj = image_case.trajectory
-    prompt = traj.prompt_ids.tolist()
-    images = tuple(i for i in traj.images if i.end <= len(prompt))
-    assert len(images) == 1
-    sampling = Sampling(max_new_tokens=10, seed=4)
-    before = await vl_engine.generate("vl-image-before", prompt, sampling, images=images)
-    backend = perturbed_backend(vl_model_path, seed=6)
-    await vl_engine.update_weights(vl_engine.version + 1, blob=encode_state(backend.state_dict_for_push()))
-    after = await vl_engine.generate("vl-image-after", prompt, sampling, images=images)
-    assert np.all(after.versions == vl_engine.version)
-
-    n = len(after.token_ids)
-    sample = dataclasses.replace(traj, response_ids=after.token_ids, response_mask=np.ones(n, np.int8),
-                                 logprobs=after.logprobs, versions=after.versions, images=images)
-    packed = pack_trajectories([text_trajectory(1, 9, 21, 0), sample], torch.zeros(2))
-    with torch.no_grad():
-        logprobs_T, _ = compute_token_logprobs_and_entropy(backend.forward_model.eval(), packed, chunk_tokens=7)
-    trainer = unpack_sequences(packed, logprobs_T)[1][len(prompt) - 1:-1].numpy()
-    worst = np.abs(after.logprobs - trainer).max()
-    assert worst < 1e-3, f"engine vs trainer logprobs after the push differ by up to {worst:.2e}"
-    if np.array_equal(before.token_ids[:n], after.token_ids):  # same tokens: their scores must have moved
-        assert np.abs(before.logprobs[:n] - after.logprobs).max() > 1e-3
