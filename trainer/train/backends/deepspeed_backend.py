@@ -54,6 +54,13 @@ def init_process_group(device: torch.device) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()),
                           RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import deepspeed
+    from deepspeed.utils import groups
+
+    # A new world: groups DeepSpeed cached from an earlier one in this process are dead. A
+    # world torn down without deepspeed.comm (an in-process vLLM destroys it through
+    # torch.distributed) leaves them cached, and ZeRO-3's first broadcast then fails with
+    # "Group ... is not registered". DeepSpeed's own teardown releases them with this call.
+    groups._release_process_group_references(None)
 
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
