@@ -77,19 +77,21 @@ def test_entropy_without_gradient_is_detached_and_equal():
 
 def test_chunked_backward_saves_no_full_vocab_tensor():
     """What autograd keeps for backward: with chunks, nothing near T x V elements (the
-    checkpointed chunks keep their hidden slice only); without, the full logits."""
+    checkpointed chunks keep their hidden slice only, the last chunk its own [chunk, V]
+    logits); without, the full logits. The head's weight is saved too: not an activation."""
     head, hidden_TH, targets_T, _ = _head_case(num_tokens=64, vocab=997)
     sizes: list[int] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        sizes.append(t.numel())
+        if t.data_ptr() != head.weight.data_ptr():
+            sizes.append(t.numel())
         return t
 
     full = 64 * 997
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp, ent = compute_chunked_logprobs(hidden_TH, head, targets_T, with_entropy=True,
                                            chunk_tokens=8)
-    assert max(sizes) < full / 4, sizes
+    assert max(sizes) == 8 * 997, sizes  # the last chunk's logits, and nothing larger
     (lp.sum() + ent.sum()).backward()  # and the recompute works
     sizes.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -152,3 +154,41 @@ def test_model_forward_chunked_equals_unchunked(attn):
     # The installed forward leaves ordinary calls alone.
     ids = packed.input_ids_T[None]
     assert model(input_ids=ids, use_cache=False).logits.shape == (1, packed.num_tokens, 211)
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 1000])
+def test_loss_positions_only_equals_the_full_row_there_and_is_zero_elsewhere(chunk):
+    """The training step's path: the same values and gradients at the model tokens, 0 at
+    every other position, chunked or not."""
+    register_packed_sdpa()
+    model = _small_qwen2("sluice_packed_sdpa")
+    packed = _packed_row()
+    mask_T = packed.loss_mask_T
+    weights_T = torch.linspace(-1, 1, packed.num_tokens) * mask_T  # a loss over model tokens
+
+    def run(only: bool):
+        model.zero_grad(set_to_none=True)
+        lp, ent = compute_token_logprobs_and_entropy(model, packed, 0.8, with_entropy=True,
+                                                     chunk_tokens=chunk,
+                                                     loss_positions_only=only)
+        ((lp * weights_T).sum() + (ent * weights_T).sum()).backward()
+        return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_lp, ref_ent, ref_grads = run(False)
+    lp, ent, grads = run(True)
+    assert 0 < int(mask_T.sum()) < packed.num_tokens
+    assert_values_close(lp[mask_T], ref_lp[mask_T])
+    assert_values_close(ent[mask_T], ref_ent[mask_T])
+    assert not lp[~mask_T].any() and not ent[~mask_T].any()
+    for name, grad in grads.items():
+        assert_grads_close(grad, ref_grads[name], name)
+
+
+def test_a_row_without_model_tokens_still_calls_the_head_once():
+    """ZeRO-3 gathers the head's weight by hooks on its call: every micro-batch calls it."""
+    head, hidden_TH, targets_T, _ = _head_case(num_tokens=9)
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    lp, _ = compute_chunked_logprobs(hidden_TH, head, targets_T, chunk_tokens=4,
+                                     positions_T=torch.zeros(9, dtype=torch.bool))
+    assert calls == [1] and lp.shape == (9,) and not lp.any()

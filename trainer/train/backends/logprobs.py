@@ -16,9 +16,11 @@ the attention implementation the model was loaded with:
 Logits are never materialised for the whole row when `chunk_tokens` > 0 (the default,
 `train.logprob_chunk_tokens`): the decoder's last hidden states [T, H] go through the LM
 head `chunk_tokens` positions at a time, and only [T] logprobs and entropies leave each
-chunk. With gradients each chunk is checkpointed: backward recomputes its [chunk, V]
-logits instead of keeping them, so memory for one sequence is linear in its length with a
-constant of about H + 2 values per position, plus one chunk's logits. At 65,536 tokens and
+chunk. With gradients each chunk but the last is checkpointed: backward recomputes its
+[chunk, V] logits instead of keeping them, so memory for one sequence is linear in its
+length with a constant of about H + 2 values per position, plus one chunk's logits.
+The training step asks for the positions of its model tokens only (`loss_positions_only`):
+the rest of the row (prompt, tool output) skips the head, its softmax and their backward. At 65,536 tokens and
 Qwen3's 151,936-entry vocabulary the unchunked fp32 logits alone are 40 GB (three times
 that with softmax and gradients); one 2,048-position chunk is 1.2 GB.
 
@@ -68,10 +70,14 @@ def compute_packed_sdpa_attention(module: torch.nn.Module, query_BHTD: torch.Ten
                          "sequences with trainer.train.backends.packing instead of padding them")
     num_tokens = query_BHTD.shape[2]
     bounds = [0, num_tokens] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     gqa = key_BHTD.shape[1] != query_BHTD.shape[1]
+    # split, not one slice per sequence: a slice's backward writes into a zeroed copy of the
+    # whole row, so S slices cost S full-row fills; split's backward is one concatenation.
     outs = [torch.nn.functional.scaled_dot_product_attention(
-        query_BHTD[:, :, a:b], key_BHTD[:, :, a:b], value_BHTD[:, :, a:b], dropout_p=dropout,
-        scale=scaling, is_causal=True, enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:])]
+        q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+        for q, k, v in zip(query_BHTD.split(lengths, dim=2), key_BHTD.split(lengths, dim=2),
+                           value_BHTD.split(lengths, dim=2))]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -152,29 +158,71 @@ def compute_logprobs_from_logits(logits_TV: torch.Tensor, target_ids_T: torch.Te
 def compute_chunked_logprobs(hidden_TH: torch.Tensor, head: torch.nn.Module,
                              target_ids_T: torch.Tensor, temperature: float = 1.0,
                              with_entropy: bool = False, entropy_grad: bool = True,
-                             chunk_tokens: int = 2048
+                             chunk_tokens: int = 2048, positions_T: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`compute_logprobs_from_logits(head(hidden_TH), ...)` computed `chunk_tokens`
     positions at a time; equal to it (values and gradients), without the [T, V] logits.
 
-    With gradients enabled each chunk is checkpointed (non-reentrant): its forward keeps
-    only its slice of hidden states, and backward recomputes the chunk's logits.
+    With gradients enabled each chunk but the last is checkpointed (non-reentrant): its
+    forward keeps only its slice of hidden states, and backward recomputes the chunk's
+    logits. The last chunk keeps its logits: its backward runs first, right after the
+    forward, so recomputing them would cost a head pass and lower no peak.
+
+    `positions_T` (bool [T]): compute only there and return 0 elsewhere (see
+    `select_positions`).
     """
     if chunk_tokens < 1:
         raise ValueError(f"train.logprob_chunk_tokens must be >= 1 for the chunked path, "
                          f"got {chunk_tokens}")
+    index_N, hidden_NH, target_ids_N = select_positions(positions_T, hidden_TH, target_ids_T)
+    num = hidden_NH.shape[0]
+    checkpointed = torch.is_grad_enabled() and hidden_NH.requires_grad
     logprobs, entropies = [], []
-    for start in range(0, hidden_TH.shape[0], chunk_tokens):
-        args = (hidden_TH[start:start + chunk_tokens], target_ids_T[start:start + chunk_tokens],
+    for start in range(0, num, chunk_tokens):
+        args = (hidden_NH[start:start + chunk_tokens], target_ids_N[start:start + chunk_tokens],
                 head, temperature, with_entropy, entropy_grad)
-        if torch.is_grad_enabled() and hidden_TH.requires_grad:
+        if checkpointed and start + chunk_tokens < num:
             lp_C, ent_C = checkpoint(_head_logprobs, *args, use_reentrant=False)
         else:
             lp_C, ent_C = _head_logprobs(*args)
         logprobs.append(lp_C)
         entropies.append(ent_C)
-    entropy_T = torch.cat(entropies) if with_entropy else None
-    return torch.cat(logprobs), entropy_T
+    entropy_N = torch.cat(entropies) if with_entropy else None
+    return scatter_positions(index_N, torch.cat(logprobs), entropy_N, positions_T)
+
+
+def select_positions(positions_T: torch.Tensor | None, hidden_TH: torch.Tensor,
+                     target_ids_T: torch.Tensor
+                     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(index_N, hidden_NH, target_ids_N): the rows at `positions_T` (all rows when None).
+
+    The LM head, its softmax and their backward are most of a step's work outside the
+    decoder, and the loss reads only its model tokens: prompts and tool output (often most
+    of an agent's context) need no logits. At least one row is kept, so that every micro-
+    batch calls the head (ZeRO-3 gathers its weight by hooks on the call).
+    """
+    if positions_T is None:
+        return None, hidden_TH, target_ids_T
+    index_N = positions_T.to(hidden_TH.device).nonzero().squeeze(1)
+    if index_N.numel() == 0:
+        index_N = index_N.new_zeros(1)
+    return index_N, hidden_TH.index_select(0, index_N), target_ids_T[index_N]
+
+
+def scatter_positions(index_N: torch.Tensor | None, logprobs_N: torch.Tensor,
+                      entropy_N: torch.Tensor | None, positions_T: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The values of `select_positions`'s rows put back in a [T] row, 0 elsewhere
+    (differentiable); the row kept for the head call alone is zeroed."""
+    if index_N is None or positions_T is None:
+        return logprobs_N, entropy_N
+    keep_N = positions_T.to(index_N.device)[index_N]
+
+    def place(values_N: torch.Tensor) -> torch.Tensor:
+        return values_N.new_zeros(positions_T.shape[0]).index_add(
+            0, index_N, values_N.masked_fill(~keep_N, 0.0))
+
+    return place(logprobs_N), None if entropy_N is None else place(entropy_N)
 
 
 def _head_logprobs(hidden_CH: torch.Tensor, target_ids_C: torch.Tensor, head: torch.nn.Module,
@@ -202,15 +250,14 @@ def _install_logprob_forward(model: PreTrainedModel) -> None:
         request = kwargs.pop(_REQUEST_KWARG, None)
         if request is None:
             return own_forward(*args, **kwargs)
-        target_ids_T, temperature, with_entropy, entropy_grad, chunk_tokens = request
+        target_ids_T, temperature, with_entropy, entropy_grad, chunk_tokens, positions_T = request
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (an LM head); "
                              "chunked logprobs need a causal LM: set train.logprob_chunk_tokens=0")
         hidden_BTH = hidden_state_module(model)(*args, **kwargs).last_hidden_state
-        return compute_chunked_logprobs(hidden_BTH[0], head,
-                                        target_ids_T, temperature, with_entropy, entropy_grad,
-                                        chunk_tokens)
+        return compute_chunked_logprobs(hidden_BTH[0], head, target_ids_T, temperature,
+                                        with_entropy, entropy_grad, chunk_tokens, positions_T)
 
     model.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
     # torch types Module.__setattr__ values as Tensor | Module; a plain attribute is allowed
@@ -219,7 +266,8 @@ def _install_logprob_forward(model: PreTrainedModel) -> None:
 
 def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBatch,
                                        temperature: float = 1.0, with_entropy: bool = False,
-                                       entropy_grad: bool = True, chunk_tokens: int = 0
+                                       entropy_grad: bool = True, chunk_tokens: int = 0,
+                                       loss_positions_only: bool = False
                                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs_T, entropy_T or None) of every position's target in one packed row.
 
@@ -229,6 +277,8 @@ def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBat
     `chunk_tokens` > 0 computes them from hidden states that many positions at a time
     (`compute_chunked_logprobs`); 0 materialises the whole row's logits. A row with
     `packed.images` needs a vision-language model (`trainer.train.backends.vision`).
+    `loss_positions_only`: values only where `packed.loss_mask_T` is set (0 elsewhere), the
+    rest of the row never reaching the LM head in the chunked path.
     """
     inner = _hf_model(model)
     param = next(inner.parameters())
@@ -240,10 +290,14 @@ def compute_token_logprobs_and_entropy(model: torch.nn.Module, packed: PackedBat
     target_ids_T = packed.target_ids_T.to(device)
     inputs = dict(input_ids=packed.input_ids_T[None].to(device),
                   position_ids=packed.position_ids_T[None].to(device), use_cache=False, **kwargs)
+    positions_T = packed.loss_mask_T if loss_positions_only else None
     if chunk_tokens > 0:
         _install_logprob_forward(inner)
-        request = (target_ids_T, temperature, with_entropy, entropy_grad, chunk_tokens)
+        request = (target_ids_T, temperature, with_entropy, entropy_grad, chunk_tokens,
+                   positions_T)
         return model(**inputs, **{_REQUEST_KWARG: request})
-    out = model(**inputs)
-    return compute_logprobs_from_logits(out.logits[0], target_ids_T, temperature, with_entropy,
-                                        entropy_grad)
+    logits_TV = model(**inputs).logits[0]
+    index_N, logits_NV, target_ids_N = select_positions(positions_T, logits_TV, target_ids_T)
+    logprobs_N, entropy_N = compute_logprobs_from_logits(logits_NV, target_ids_N, temperature,
+                                                         with_entropy, entropy_grad)
+    return scatter_positions(index_N, logprobs_N, entropy_N, positions_T)

@@ -8,6 +8,10 @@ detached: the ratio to the proximal policy is 1 with the policy gradient, as a s
 no-grad pass would give up to summation order, for one forward less. Only the later
 minibatches need that pass, before the first optimizer step moves the weights.
 
+Logprobs and entropies are computed at the loss's model tokens only
+(`loss_positions_only`): every term of the loss and of its metrics is masked to them, and
+the prompt and tool-output positions then never reach the LM head.
+
 Exactness across micro-batches: a micro-batch's loss is aggregated over its own tokens
 (or sequences), so it is scaled by its share of the minibatch before backward:
     token_mean:            loss_i * n_i / N   (n_i model tokens of micro-batch i, N of all)
@@ -102,17 +106,17 @@ def pad_to_common_count(ops: StepOps, batches: list[PackedBatch]) -> tuple[list[
 
 @torch.no_grad()
 def compute_proximal_logprobs(ops: StepOps, batches: Sequence[PackedBatch],
-                              temperature: float = 1.0, chunk_tokens: int = 0
-                              ) -> list[torch.Tensor]:
+                              temperature: float = 1.0, chunk_tokens: int = 0,
+                              loss_positions_only: bool = False) -> list[torch.Tensor]:
     """logprobs_T of each batch under the current weights, without gradients (CPU tensors);
-    `chunk_tokens` as in `compute_token_logprobs_and_entropy`."""
+    `chunk_tokens` and `loss_positions_only` as in `compute_token_logprobs_and_entropy`."""
     model = ops.forward_model
     was_training = model.training
     model.eval()
     try:
         padded, num_real = pad_to_common_count(ops, list(batches))
-        out = [compute_token_logprobs_and_entropy(model, b, temperature,
-                                                  chunk_tokens=chunk_tokens)[0].cpu()
+        out = [compute_token_logprobs_and_entropy(model, b, temperature, chunk_tokens=chunk_tokens,
+                                                  loss_positions_only=loss_positions_only)[0].cpu()
                for b in padded]
     finally:
         model.train(was_training)
@@ -164,7 +168,7 @@ def compute_micro_batch_loss(model: torch.nn.Module, batch: PackedBatch,
     # when it is part of the loss.
     logprobs_T, entropy_T = compute_token_logprobs_and_entropy(
         model, batch, temperature, with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
-        chunk_tokens=chunk_tokens)
+        chunk_tokens=chunk_tokens, loss_positions_only=True)
     device = logprobs_T.device
 
     def rows(values_T: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
@@ -230,7 +234,8 @@ def run_train_step(ops: StepOps, batch: TrainBatch, cfg_train: TrainConfig,
     proximal: list[torch.Tensor | None] = [None] * len(minibatches[0])
     if len(minibatches) > 1:  # on every rank alike (each minibatch holds a trajectory)
         proximal += compute_proximal_logprobs(ops, flat[len(minibatches[0]):], temperature,
-                                              cfg_train.logprob_chunk_tokens)
+                                              cfg_train.logprob_chunk_tokens,
+                                              loss_positions_only=True)
     proximal_s = time.perf_counter() - start
     results, offset = [], 0
     for mb in minibatches:
