@@ -4,7 +4,8 @@
 [--double-in-flight] [--json] [--trace FILE]`.
 
 Runs the real `Controller` and `ReplayBuffer` (admission bound, staleness, accounting),
-the real `Router` (sticky, least-loaded first turn) and `TurnGate` (pushes at turn
+the real `Router` (sticky, least-loaded first turn; or by KV residency, from the engine
+models' block events, with rollout.routing=residency) and `TurnGate` (pushes at turn
 boundaries) on an asyncio loop whose clock fast-forwards (looptime), against simulated
 engines (launch.sim.engine_model: HBM-bound decode, FLOP-bound prefill, KV pool with an LRU
 prefix cache), sandboxes (launch.sim.sandbox_model: heavy-tailed exec times, a fixed pool
@@ -37,7 +38,7 @@ from launch.plan_profile import PlanProfile
 from launch.sim.engine_client import SimEngine, SimWorld
 from launch.sim.engine_model import EngineModel, build_engine_spec
 from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel, hang_prob_for
-from launch.sim.sides import SimRollout, SimSandboxes, SimTrainer, TrajectoryProfile
+from launch.sim.sides import SimRollout, SimRouting, SimSandboxes, SimTrainer, TrajectoryProfile
 from launch.sim.trainer_model import TrainerModel
 from trainer.run.config import SluiceConfig
 
@@ -134,7 +135,9 @@ async def simulate(cfg: SluiceConfig, profile: PlanProfile, opts: SimOptions,
     loop = asyncio.get_running_loop()
     world = SimWorld(opts.token_unit)
     spec = build_engine_spec(plan, max_num_seqs=cfg.rollout.max_num_seqs)
-    engines = {f"engine{i}": SimEngine(EngineModel(spec), world, cfg.rollout.kv_after_push)
+    residency = cfg.rollout.routing == "residency" and opts.worker != "real"
+    engines = {f"engine{i}": SimEngine(EngineModel(spec, record_blocks=residency), world,
+                                       cfg.rollout.kv_after_push, kv_events=residency)
                for i in range(cfg.rollout.num_engines)}
     pool = SandboxPoolModel(cfg.envs.num_sandbox_workers * cfg.envs.sandboxes_per_worker,
                             restore_s=opts.restore_s)
@@ -151,7 +154,9 @@ async def simulate(cfg: SluiceConfig, profile: PlanProfile, opts: SimOptions,
         rollout = SimRollout(profile=trajectory, engines=engines, world=world,
                              sandboxes=SimSandboxes(pool), exec_model=exec_model,
                              releasable=opts.sandboxes == "releasable",
-                             trajectory_timeout_s=cfg.agent.trajectory_timeout_s, seed=opts.seed)
+                             trajectory_timeout_s=cfg.agent.trajectory_timeout_s, seed=opts.seed,
+                             routing=SimRouting(residency, cfg.rollout.load_poll_s,
+                                                cfg.rollout.residency_load_penalty_tokens))
         tasks = [Task(id=f"task{i}", messages=(Message(role="user", content=f"task {i}"),))
                  for i in range(cfg.train.groups_per_step * 4)]
     trainer = SimTrainer(TrainerModel.from_plan(plan, opts.push_bytes_per_s, opts.push_latency_s),

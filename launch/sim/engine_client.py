@@ -13,14 +13,17 @@ and outputs that parse as the recipe's tool calls.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from launch.sim.engine_model import EngineModel, SimRequest
+from launch.sim.engine_model import BlockEvent, EngineModel, SimRequest
 from rollout.engine import EngineStats, FinishReason, Sampling, TokenOutput
-from rollout.kv_residency import KvResidencyDelta
+from rollout.kv_residency import KvResidencyDelta, block_keys
 
 BEHAVIOUR_LOGPROB = -0.7  # any finite value <= 0: the simulated policy's tokens
 CLOCK_RESOLUTION_S = 1e-6
@@ -59,15 +62,142 @@ class SimWorld:
 
     def output(self, request: SimRequest, prompt_ids: np.ndarray | list[int],
                sampling: Sampling) -> tuple[np.ndarray, FinishReason]:
-        return np.ones(max(1, request.new_tokens // self.token_unit), np.int32), "stop"
+        return content_ids(request.request_id, max(1, request.new_tokens // self.token_unit)), "stop"
+
+
+def content_ids(source: str, count: int) -> np.ndarray:
+    """`count` ids that stand for text of `source` alone (a task's prompt, a turn's output
+    or observation): two trajectories' contexts share block keys exactly as far as their
+    text is the same, which is what a residency router reads."""
+    return ((zlib.crc32(source.encode()) + 7919 * np.arange(count, dtype=np.int64))
+            % (1 << 30) + 4).astype(np.int32)
+
+
+class SimKvEvents:
+    """The KV events of one simulated engine, in the key space a router computes from the
+    prompt ids (`rollout.kv_residency.block_keys`), as vLLM's `kv_events_config` publishes
+    them: the engine model's block events (an entry cached, cut by eviction, all cleared)
+    become the keys of the blocks stored and removed.
+
+    A key block is `ids_per_block` ids (one id stands for `token_unit` tokens; at least one
+    id, so with token_unit above the model's block size a key covers several model blocks,
+    and a model block count maps to the keys it covers whole). A task entry's blocks are the
+    first of its shared prompt; a trajectory entry's are the blocks after that prompt of the
+    content last sent for it. Events of an older salt are dropped: a router's view forgets
+    that salt's blocks when the salt changes.
+    """
+
+    def __init__(self, block_tokens: int, token_unit: int, max_batches: int = 4096) -> None:
+        self.ids_per_block = max(1, block_tokens // token_unit)
+        self._block_tokens = block_tokens
+        self._key_tokens = self.ids_per_block * token_unit
+        self._salt = 0
+        # session -> (salt, content ids, their keys, tokens of the shared prompt);
+        # task -> keys of its shared prompt
+        self._sessions: dict[str, tuple[int, np.ndarray, list[int], int]] = {}
+        self._tasks: dict[str, list[int]] = {}
+        self._held: dict[tuple[str, str, int], int] = {}  # entry -> keys published
+        self._pending: dict[str, int] = {}  # session -> requests sent, not finished
+        self._log: deque[tuple[int, tuple[int, ...], tuple[int, ...], bool]] = deque(maxlen=max_batches)
+        self._seq = 0
+
+    @property
+    def salt(self) -> str:
+        return f"sim-v{self._salt}"
+
+    def new_salt(self) -> None:
+        self._salt += 1
+
+    def sent(self, request: SimRequest, prompt_ids: np.ndarray | list[int], output_ids: np.ndarray) -> None:
+        """Remember what a request's session (and task) will hold once it finishes: its
+        prompt and output (known when it is sent: the script makes the output)."""
+        self._pending[request.session] = self._pending.get(request.session, 0) + 1
+        ids = np.concatenate([np.asarray(prompt_ids, np.int64), output_ids.astype(np.int64)])
+        known: list[int] = []
+        last = self._sessions.get(request.session)
+        if last is not None and last[0] == self._salt and len(last[1]) <= len(ids) \
+                and np.array_equal(last[1], ids[:len(last[1])]):
+            known = last[2]
+        keys = block_keys(ids, self.ids_per_block, self.salt, known)
+        shared = 0
+        if request.shared_key:  # the model's shared head: whole blocks of the task prompt
+            bt = self._block_tokens
+            shared = min(request.shared_tokens, request.context_tokens) // bt * bt
+            self._tasks.setdefault(request.shared_key, keys[:shared // self._key_tokens])
+        self._sessions[request.session] = (self._salt, ids, keys, shared)
+
+    def finished(self, request: SimRequest) -> None:
+        left = self._pending.pop(request.session) - 1
+        if left:
+            self._pending[request.session] = left
+
+    def publish(self, events: list[BlockEvent]) -> None:
+        """One batch of the model's block events."""
+        stored: list[int] = []
+        removed: list[int] = []
+        cleared = False
+        for event in events:
+            if event.key is None:
+                cleared, stored, removed = True, [], []
+                self._held.clear()
+                continue
+            kind, name, salt = event.key
+            keys = self._entry_keys(kind, name, event.blocks) if salt == self._salt else None
+            if keys is None:
+                continue
+            before = self._held.get(event.key, 0)
+            # The entry's keys, in order; it grows or loses its tail.
+            held_now = len(keys[1])
+            if held_now > before:
+                stored += keys[1][before:]
+            else:
+                removed += keys[0][held_now:before]
+            if held_now:
+                self._held[event.key] = held_now
+            else:
+                self._held.pop(event.key, None)
+            if held_now == 0 and kind == "traj" and name not in self._pending:
+                self._sessions.pop(name, None)  # gone from the cache, and nothing on the way
+        if stored or removed or cleared:
+            self._seq += 1
+            self._log.append((self._seq, tuple(stored), tuple(removed), cleared))
+
+    def _entry_keys(self, kind: str, name: str, blocks: int) -> tuple[list[int], list[int]] | None:
+        """(all the entry's keys, those its first `blocks` model blocks cover whole)."""
+        if kind == "task":
+            keys, start = self._tasks.get(name, []), 0
+        else:
+            session = self._sessions.get(name)
+            if session is None or session[0] != self._salt:
+                return None
+            start = session[3]
+            keys = session[2][start // self._key_tokens:]
+        end = (start + blocks * self._block_tokens) // self._key_tokens - start // self._key_tokens
+        return keys, keys[:max(0, end)]
+
+    def since(self, seq: int) -> KvResidencyDelta:
+        """The batches after `seq`, as `rollout.kv_residency.KvEventLog.since` gives them."""
+        first = self._log[0][0] if self._log else self._seq + 1
+        batches = list(itertools.islice(self._log, max(0, seq + 1 - first), None))
+        lost = seq < self._seq and (not batches or batches[0][0] > seq + 1)
+        cleared_at = max((i for i, b in enumerate(batches) if b[3]), default=-1)
+        if cleared_at >= 0:
+            batches = batches[cleared_at:]
+        return KvResidencyDelta(seq=self._seq, block_size=self.ids_per_block, salt=self.salt,
+                                stored=tuple(k for b in batches for k in b[1]),
+                                removed=tuple(k for b in batches for k in b[2]),
+                                cleared=cleared_at >= 0, lost=lost)
 
 
 class SimEngine:
     """An `EngineClient` whose generate calls are timed by an `EngineModel`."""
 
     def __init__(self, model: EngineModel, world: EngineScript,
-                 kv_after_push: str = "recompute") -> None:
+                 kv_after_push: str = "recompute", kv_events: bool = False) -> None:
+        """`kv_events`: publish KV events (`kv_residency`) for a residency router; the
+        model must then record its block events (`EngineModel(record_blocks=True)`)."""
         self.model = model
+        self.kv_events = SimKvEvents(model.spec.block_tokens, world.token_unit) if kv_events else None
         self.world = world
         self.kv_after_push = kv_after_push  # rollout.kv_after_push
         self.version = 0
@@ -85,9 +215,16 @@ class SimEngine:
         ids, finish = self.world.output(request, prompt_ids, sampling)
         future: asyncio.Future[int] = loop.create_future()
         self._futures[request.request_id] = future
-        self.model.submit(loop.time(), request)
-        self._ensure_driver().set()
-        cached = await future
+        if self.kv_events is not None:
+            self.kv_events.sent(request, prompt_ids, ids)
+        try:
+            self.model.submit(loop.time(), request)
+            self._publish()
+            self._ensure_driver().set()
+            cached = await future
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.finished(request)
         unit = self.world.token_unit
         return TokenOutput(token_ids=ids, logprobs=np.full(len(ids), BEHAVIOUR_LOGPROB, np.float32),
                            versions=np.full(len(ids), self.version, np.int32), finish_reason=finish,
@@ -110,6 +247,7 @@ class SimEngine:
                     future = self._futures.pop(done.request_id)
                     if not future.done():
                         future.set_result(done.cached_tokens)
+                self._publish()
                 at = self.model.next_event_s()
                 # The loop's clock is rounded (looptime: 1 us): an event due within that
                 # is processed now, else its timer would fire at once, forever.
@@ -121,6 +259,10 @@ class SimEngine:
             await self._wake.wait()
             if timer is not None:
                 timer.cancel()
+
+    def _publish(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.model.take_block_events())
 
     def close(self) -> None:
         if self._driver is not None:
@@ -143,7 +285,10 @@ class SimEngine:
         under reuse the cached KV keeps serving."""
         self.version = version
         if self.kv_after_push == "recompute":
+            self._publish()  # the old salt's events first: they are dropped after the change
             self.model.new_salt()
+            if self.kv_events is not None:
+                self.kv_events.new_salt()
 
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 backend: str, timeout_s: float) -> list[int]:
@@ -155,6 +300,7 @@ class SimEngine:
     async def reset_prefix_cache(self) -> None:
         if not self.model.reset_prefix_cache():
             self.num_failed_resets += 1
+        self._publish()
 
     async def checksum(self, names: list[str]) -> str:
         return f"v{self.version}"
@@ -169,7 +315,10 @@ class SimEngine:
                            prefix_reset_refused=self.num_failed_resets)
 
     async def kv_residency(self, since: int) -> KvResidencyDelta:
-        """No KV events: the engine model does not publish blocks, so a residency router
-        over simulated engines routes as the sticky one (not modelled yet)."""
-        return KvResidencyDelta(seq=since, block_size=0, salt=None, stored=(), removed=(),
-                                cleared=False, lost=False)
+        """The KV events after `since` (`kv_events`); without them none, and no block size:
+        a residency router then routes as the sticky one."""
+        if self.kv_events is None:
+            return KvResidencyDelta(seq=since, block_size=0, salt=None, stored=(), removed=(),
+                                    cleared=False, lost=False)
+        self._publish()
+        return self.kv_events.since(since)

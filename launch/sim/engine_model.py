@@ -21,6 +21,11 @@ connectors) holds, write-through and LRU, the full blocks of every finished requ
 prefix the pool evicted but the tier holds is loaded at `tier_bytes_per_s` instead of
 being prefilled (counted as hits, and as tier hits).
 
+With `record_blocks`, the model also lists what happens to its cached entries
+(`take_block_events`): an entry cached with n blocks, an entry cut to n blocks by
+eviction (its tail first), every entry cleared. `SimEngine` turns them into the KV events
+a residency router reads, as vLLM's `kv_events_config` publishes them.
+
 Simplifications, and why they are small at the seed's scale:
 - prefill runs ahead of decode, one request at a time, with decode paused (vLLM mixes
   them in chunks; the busy time is the same, a waiting request sees its prefill later or
@@ -137,6 +142,15 @@ class EngineModelStats:
     tier_load_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """A cached entry's new size: `key` ("task" or "traj", the task or the trajectory,
+    the salt) holds its first `blocks` blocks now (0: gone). `key` None: all cleared."""
+
+    key: tuple[str, str, int] | None
+    blocks: int
+
+
 @dataclass(slots=True)
 class _Seq:
     request: SimRequest
@@ -155,8 +169,9 @@ class EngineModel:
     """A simulated engine: `submit` and `advance` take the current time, completions come
     back from `advance`; `next_event_s` says when to call it again if nothing arrives."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, record_blocks: bool = False) -> None:
         self.spec = spec
+        self._block_events: list[BlockEvent] | None = [] if record_blocks else None
         self._clock = 0.0
         self._step = 0  # decode steps done so far
         self._waiting: deque[tuple[SimRequest, float]] = deque()
@@ -219,7 +234,19 @@ class EngineModel:
             return False
         self._cache.clear()
         self._cached_total = 0
+        self._note_blocks(None, 0)
         return True
+
+    def take_block_events(self) -> list[BlockEvent]:
+        """The cached entries' changes since the last call (none unless `record_blocks`)."""
+        if not self._block_events:
+            return []
+        events, self._block_events = self._block_events, []
+        return events
+
+    def _note_blocks(self, key: tuple[str, str, int] | None, blocks: int) -> None:
+        if self._block_events is not None:
+            self._block_events.append(BlockEvent(key, blocks))
 
     def stats(self) -> EngineModelStats:
         return EngineModelStats(
@@ -410,6 +437,7 @@ class EngineModel:
             self._cached_total -= take
             self._evicted += take
             blocks -= take
+            self._note_blocks(key, count - take)
 
     def _release(self, seq: _Seq) -> None:
         r, bs = seq.request, self.spec.block_tokens
@@ -431,6 +459,7 @@ class EngineModel:
             return
         self._cached_total += blocks - self._cache.pop(key, 0)
         self._cache[key] = blocks
+        self._note_blocks(key, blocks)
         if self.spec.num_tier_blocks:  # write-through: the tier keeps a copy, LRU
             blocks = min(blocks, self.spec.num_tier_blocks)
             self._tier_total += blocks - self._tier.pop(key, 0)

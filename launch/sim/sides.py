@@ -22,13 +22,14 @@ import numpy as np
 
 from buffer.batch import TrainBatch
 from envs.types import NO_VERSION, Group, Task, TerminationReason, Trajectory, Turn
-from launch.sim.engine_client import SimEngine, SimWorld
+from launch.sim.engine_client import SimEngine, SimWorld, content_ids
 from launch.sim.engine_model import SimRequest
 from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel
 from launch.sim.trainer_model import TrainerModel
 from rollout.deadline import DeadlineCut, absorb_cut, gather_by_deadline
 from rollout.engine import EngineStats, Sampling
 from rollout.gate import TurnGate
+from rollout.kv_residency import ResidencyView
 from rollout.router import Router
 from rollout.worker import WorkerStats
 from trainer.train.outcomes import PushOutcome, TrainOutcome
@@ -89,16 +90,38 @@ class _Partial:
     turns: list[Turn] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class SimRouting:
+    """How the simulated rollout routes turns: sticky on the router's own counts (no poll:
+    deterministic), or by residency (rollout.routing=residency) over the engines' KV events,
+    read on the recipe's load poll, with its load penalty."""
+
+    residency: bool = False
+    load_poll_s: float = 0.5
+    load_penalty_tokens: int = 256
+
+
 class SimRollout:
-    """`RolloutSide` over simulated engines and sandboxes, through the real router and gate."""
+    """`RolloutSide` over simulated engines and sandboxes, through the real router and gate.
+
+    Token ids carry content (`content_ids`): a task's prompt, each turn's output and each
+    observation are ids of their own, so a residency router's block keys tell trajectories
+    and tasks apart as they would real text."""
 
     def __init__(self, *, profile: TrajectoryProfile, engines: Mapping[str, SimEngine],
                  world: SimWorld, sandboxes: SimSandboxes, exec_model: ExecTimeModel,
-                 releasable: bool, trajectory_timeout_s: float, seed: int) -> None:
+                 releasable: bool, trajectory_timeout_s: float, seed: int,
+                 routing: SimRouting = SimRouting()) -> None:
         self.profile = profile
         self.engines = dict(engines)
         self.world = world
-        self.router = Router(dict(engines), load_poll_s=0.0)  # deterministic routing
+        if routing.residency:
+            # The view counts ids: the penalty in tokens becomes ids of token_unit tokens.
+            self.router = Router(dict(engines), load_poll_s=routing.load_poll_s,
+                                 residency=ResidencyView(),
+                                 load_penalty_tokens=round(routing.load_penalty_tokens / profile.token_unit))
+        else:
+            self.router = Router(dict(engines), load_poll_s=0.0)
         self.gate = TurnGate()
         self.sandboxes = sandboxes
         self.exec_model = exec_model
@@ -121,7 +144,7 @@ class SimRollout:
                           cut: DeadlineCut) -> Trajectory:
         session = f"{group_id}/{index}"
         rng = random.Random(f"{self.seed}/{session}")
-        part = _Partial(prompt_ids=[2] * self.profile.units(self.profile.prompt_tokens))
+        part = _Partial(prompt_ids=content_ids(task.id, self.profile.units(self.profile.prompt_tokens)).tolist())
         self._running += 1
         held = False
         reason = TerminationReason.FINISHED
@@ -160,7 +183,7 @@ class SimRollout:
                     request_id, session, context_units * p.token_unit, p.gen_tokens,
                     shared_key=task.id, shared_tokens=len(part.prompt_ids) * p.token_unit))
                 routed = await self.router.generate(session, request_id,
-                                                    np.ones(context_units, np.int32),
+                                                    np.array(part.prompt_ids + part.ids, np.int32),
                                                     Sampling(max_new_tokens=p.units(p.gen_tokens)))
             out, generated = routed.output, loop.time()
             start = len(part.ids)
@@ -184,7 +207,7 @@ class SimRollout:
                     await asyncio.sleep(sample.seconds)
                 tool_s = loop.time() - generated - queue_s
                 observed = p.units(p.obs_tokens)
-                part.ids += [3] * observed
+                part.ids += content_ids(f"{session}#{turn}/observation", observed).tolist()
                 part.mask += [0] * observed
                 part.logprobs += [0.0] * observed
                 part.versions += [NO_VERSION] * observed
