@@ -61,8 +61,8 @@ class KvResidencyDelta:
     seq: int  # the last batch included: the next call's `since`
     block_size: int  # 0 until the engine published its first stored block
     salt: str | None  # the cache salt the engine's requests carry now
-    stored: tuple[int, ...]  # keys, oldest first
-    removed: tuple[int, ...]
+    stored: tuple[int, ...]  # keys held at `seq` that were stored since, oldest first
+    removed: tuple[int, ...]  # keys gone at `seq` (disjoint from stored)
     cleared: bool  # the engine dropped every block (a prefix-cache reset) before `stored`
     lost: bool  # batches after `since` were dropped by the log's bound: the view is behind
 
@@ -86,21 +86,33 @@ class KvEventLog:
         """One batch of vLLM's events, each ("stored", parent_hash, block_hashes,
         token_ids, block_size, extra_keys), ("removed", block_hashes) or ("cleared",);
         `gap`: batches before it never arrived."""
-        stored: list[int] = []
-        removed: list[int] = []
+        held: dict[int, bool] = {}  # key -> stored (True) or removed (False), in event order
         cleared = False
         with self._lock:
             for event in events:
                 kind = event[0]
                 if kind == "stored":
-                    stored += self._stored(*event[1:])
+                    _net(held, self._stored(*event[1:]), True)
                 elif kind == "removed":
-                    removed += [k for h in event[1] if (k := self._keys.pop(h, None)) is not None]
+                    _net(held, [k for h in event[1] if (k := self._keys.pop(h, None)) is not None], False)
                 elif kind == "cleared":
                     self._keys.clear()
-                    stored, removed, cleared = [], [], True
-            self._seq += 1
-            self._log.append((self._seq, tuple(stored), tuple(removed), cleared, gap))
+                    held, cleared = {}, True
+            self._append(held, cleared, gap)
+
+    def add_keys(self, stored: Sequence[int], removed: Sequence[int], cleared: bool = False) -> None:
+        """One batch already in keys (an engine that is not vLLM: the simulator's); a clear
+        comes before the batch's removals, and removals before its stores."""
+        held: dict[int, bool] = {}
+        _net(held, removed, False)
+        _net(held, stored, True)
+        with self._lock:
+            self._append(held, cleared, False)
+
+    def _append(self, held: dict[int, bool], cleared: bool, gap: bool) -> None:
+        self._seq += 1
+        self._log.append((self._seq, tuple(k for k, v in held.items() if v),
+                          tuple(k for k, v in held.items() if not v), cleared, gap))
 
     def _stored(self, parent_hash: int | bytes | None, block_hashes: Sequence[int | bytes],
                 token_ids: Sequence[int], block_size: int,
@@ -139,11 +151,24 @@ class KvEventLog:
             cleared_at = max((i for i, b in enumerate(batches) if b[3]), default=-1)
             if cleared_at >= 0:  # what came before a clear no longer matters
                 batches = batches[cleared_at:]
+            # The net effect, batch by batch: a block stored and then evicted between two
+            # reads is gone, and one evicted and then stored again is held.
+            held: dict[int, bool] = {}
+            for _, stored, removed, _, _ in batches:
+                _net(held, removed, False)
+                _net(held, stored, True)
             return KvResidencyDelta(
                 seq=self._seq, block_size=self.block_size, salt=salt,
-                stored=tuple(k for b in batches for k in b[1]),
-                removed=tuple(k for b in batches for k in b[2]),
+                stored=tuple(k for k, v in held.items() if v),
+                removed=tuple(k for k, v in held.items() if not v),
                 cleared=cleared_at >= 0, lost=lost)
+
+
+def _net(held: dict[int, bool], keys: Iterable[int], stored: bool) -> None:
+    """Record the latest of a key's events (stored or removed), keeping event order."""
+    for key in keys:
+        held.pop(key, None)
+        held[key] = stored
 
 
 class ResidencyView:

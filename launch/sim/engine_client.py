@@ -13,9 +13,7 @@ and outputs that parse as the recipe's tool calls.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,7 +21,7 @@ import numpy as np
 
 from launch.sim.engine_model import BlockEvent, EngineModel, SimRequest
 from rollout.engine import EngineStats, FinishReason, Sampling, TokenOutput
-from rollout.kv_residency import KvResidencyDelta, block_keys
+from rollout.kv_residency import KvEventLog, KvResidencyDelta, block_keys
 
 BEHAVIOUR_LOGPROB = -0.7  # any finite value <= 0: the simulated policy's tokens
 CLOCK_RESOLUTION_S = 1e-6
@@ -83,8 +81,9 @@ class SimKvEvents:
     id, so with token_unit above the model's block size a key covers several model blocks,
     and a model block count maps to the keys it covers whole). A task entry's blocks are the
     first of its shared prompt; a trajectory entry's are the blocks after that prompt of the
-    content last sent for it. Events of an older salt are dropped: a router's view forgets
-    that salt's blocks when the salt changes.
+    content last sent for it. Entries share keys (siblings their task prompt's): a key is
+    stored when its first entry gets it and removed when its last loses it. Events of an
+    older salt are dropped: a router's view forgets that salt's blocks when the salt changes.
     """
 
     def __init__(self, block_tokens: int, token_unit: int, max_batches: int = 4096) -> None:
@@ -97,9 +96,12 @@ class SimKvEvents:
         self._sessions: dict[str, tuple[int, np.ndarray, list[int], int]] = {}
         self._tasks: dict[str, list[int]] = {}
         self._held: dict[tuple[str, str, int], int] = {}  # entry -> keys published
+        # key -> entries holding it: siblings hold their shared prompt's keys, and a key is
+        # removed only when the last of them loses it (vLLM shares one block among them)
+        self._refs: dict[int, int] = {}
         self._pending: dict[str, int] = {}  # session -> requests sent, not finished
-        self._log: deque[tuple[int, tuple[int, ...], tuple[int, ...], bool]] = deque(maxlen=max_batches)
-        self._seq = 0
+        self._log = KvEventLog(max_batches)  # the real engines' log, fed keys directly
+        self._log.block_size = self.ids_per_block
 
     @property
     def salt(self) -> str:
@@ -107,6 +109,8 @@ class SimKvEvents:
 
     def new_salt(self) -> None:
         self._salt += 1
+        self._refs.clear()  # the older salt's keys: forgotten by every view at the change
+        self._held.clear()
 
     def sent(self, request: SimRequest, prompt_ids: np.ndarray | list[int], output_ids: np.ndarray) -> None:
         """Remember what a request's session (and task) will hold once it finishes: its
@@ -140,6 +144,7 @@ class SimKvEvents:
             if event.key is None:
                 cleared, stored, removed = True, [], []
                 self._held.clear()
+                self._refs.clear()
                 continue
             kind, name, salt = event.key
             keys = self._entry_keys(kind, name, event.blocks) if salt == self._salt else None
@@ -148,10 +153,16 @@ class SimKvEvents:
             before = self._held.get(event.key, 0)
             # The entry's keys, in order; it grows or loses its tail.
             held_now = len(keys[1])
-            if held_now > before:
-                stored += keys[1][before:]
-            else:
-                removed += keys[0][held_now:before]
+            for key in keys[1][before:]:
+                self._refs[key] = self._refs.get(key, 0) + 1
+                if self._refs[key] == 1:
+                    stored.append(key)
+            for key in keys[0][held_now:before]:
+                left = self._refs.pop(key, 1) - 1
+                if left:
+                    self._refs[key] = left
+                else:
+                    removed.append(key)
             if held_now:
                 self._held[event.key] = held_now
             else:
@@ -159,8 +170,7 @@ class SimKvEvents:
             if held_now == 0 and kind == "traj" and name not in self._pending:
                 self._sessions.pop(name, None)  # gone from the cache, and nothing on the way
         if stored or removed or cleared:
-            self._seq += 1
-            self._log.append((self._seq, tuple(stored), tuple(removed), cleared))
+            self._log.add_keys(stored, removed, cleared)
 
     def _entry_keys(self, kind: str, name: str, blocks: int) -> tuple[list[int], list[int]] | None:
         """(all the entry's keys, those its first `blocks` model blocks cover whole)."""
@@ -176,17 +186,7 @@ class SimKvEvents:
         return keys, keys[:max(0, end)]
 
     def since(self, seq: int) -> KvResidencyDelta:
-        """The batches after `seq`, as `rollout.kv_residency.KvEventLog.since` gives them."""
-        first = self._log[0][0] if self._log else self._seq + 1
-        batches = list(itertools.islice(self._log, max(0, seq + 1 - first), None))
-        lost = seq < self._seq and (not batches or batches[0][0] > seq + 1)
-        cleared_at = max((i for i, b in enumerate(batches) if b[3]), default=-1)
-        if cleared_at >= 0:
-            batches = batches[cleared_at:]
-        return KvResidencyDelta(seq=self._seq, block_size=self.ids_per_block, salt=self.salt,
-                                stored=tuple(k for b in batches for k in b[1]),
-                                removed=tuple(k for b in batches for k in b[2]),
-                                cleared=cleared_at >= 0, lost=lost)
+        return self._log.since(seq, self.salt)
 
 
 class SimEngine:
