@@ -58,6 +58,23 @@ def test_the_log_keys_stored_blocks_as_a_router_keys_the_prompt():
     assert after_clear.removed == ()  # what came before the clear no longer matters
 
 
+def test_a_delta_is_the_net_effect_of_its_batches_in_order():
+    """A block stored and then evicted between two reads is gone, one evicted and stored
+    again is held: a reader that applied stores and removals as two lists would keep the
+    first (a view that grows past the pool) or drop the second."""
+    log = KvEventLog()
+    ids = list(range(200, 208))
+    log.add_batch([stored(None, [1, 2], ids, "s")])
+    a, b = block_keys(ids, BS, "s")
+    log.add_batch([("removed", [2])])
+    log.add_batch([("removed", [1]), stored(None, [3], ids[:4], "s")])  # a again, as block 3
+    delta = log.since(0, None)
+    assert delta.stored == (a,) and delta.removed == (b,)
+    log.add_keys(stored=[], removed=[a])  # keys straight from an engine that is not vLLM
+    assert log.since(0, None).stored == () and set(log.since(0, None).removed) == {a, b}
+    assert log.since(3, None).removed == (a,)
+
+
 def test_the_log_says_when_a_reader_missed_batches():
     log = KvEventLog(max_batches=2)
     for i in range(4):
