@@ -33,6 +33,7 @@ from launch.plan_profile import PlanProfile, load_profile, profile_help, split_p
 from rollout.rope import text_config
 from trainer.run.config import SluiceConfig
 from trainer.run.model_check import MOE_KEYS, DecoderShape, VisionShape, measure_image_run
+from trainer.run import sizing
 from trainer.run.recipe import load_config
 
 USAGE = """usage: python -m launch.plan recipe=NAME.yaml [section.key=value ...]
@@ -273,6 +274,7 @@ class Plan:
     kv_offload_tier: str = "none"  # rollout.kv_offload.tier
     kv_offload_gb_per_engine: float = 0.0  # rollout.kv_offload.gb_per_engine
     max_staleness: int = 0  # buffer.max_staleness: async keeps up to eta + 1 steps in flight
+    agent_workers: str = ""  # the recipe's AgentLoopWorker processes (trainer.run.sizing), in words
 
 
 Sources = list[tuple[str, float, str]]  # (plan key, derived value, where it came from)
@@ -420,7 +422,8 @@ def build_plan(cfg: SluiceConfig, pc: PlanProfile | None = None) -> Plan:
                 recipe_sandboxes=e.num_sandbox_workers * e.sandboxes_per_worker,
                 sources=tuple(sources), kv_offload_tier=r.kv_offload.tier,
                 kv_offload_gb_per_engine=r.kv_offload.gb_per_engine,
-                max_staleness=cfg.buffer.max_staleness)
+                max_staleness=cfg.buffer.max_staleness,
+                agent_workers=sizing.resolve_agent_workers(cfg).describe())
 
 
 # --- printing --------------------------------------------------------------------------
@@ -458,6 +461,8 @@ def format_environment(plan: Plan, a: PlanAccount) -> str:
         f"{n.cores_per_sandbox:g} cores + {n.memory_gb_per_sandbox:g} GB per sandbox)",
         f"  the recipe offers     {offer:,} sandboxes: {verdict}",
     ]
+    if plan.agent_workers:
+        rows.append(f"  agent-loop workers    {plan.agent_workers}")
     return "\n".join(rows)
 
 
@@ -507,12 +512,11 @@ def format_images(p: PlanInputs, a: PlanAccount) -> list[str]:
 
 
 def compute_in_flight_trajectories(plan: Plan) -> int:
-    """Trajectories alive at once in an async run: the staleness bound admits eta + 1
-    steps' groups, and each holds a sandbox for its life, so the recipe's sandboxes cap
-    them too (the simulator at the seed's profile: 2.25 steps' worth, sandbox-bound)."""
+    """Trajectories alive at once in an async run (trainer.run.sizing's account, which
+    also sizes the agent-loop workers) for the plan's workload."""
     p = plan.inputs
-    admitted = (plan.max_staleness + 1) * p.groups_per_step * p.group_size
-    return min(admitted, plan.recipe_sandboxes) if plan.recipe_sandboxes > 0 else admitted
+    return sizing.compute_in_flight_trajectories(plan.max_staleness, p.groups_per_step,
+                                                 p.group_size, plan.recipe_sandboxes)
 
 
 def compute_kv_tier_gb_per_engine(plan: Plan, a: PlanAccount) -> float:

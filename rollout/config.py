@@ -54,7 +54,19 @@ class RolloutConfig:
     temperature: float = knob(1.0, "Sampling temperature (1.0 keeps behaviour logprobs exact).")
     top_p: float = knob(1.0, "Nucleus sampling mass.")
     top_k: int = knob(-1, "Top-k sampling; -1 disables it.")
-    num_agent_workers: int = knob(1, "AgentLoopWorker actors (CPU); each runs many trajectories.")
+    num_agent_workers: int = knob(
+        0, "AgentLoopWorker processes (Ray actors on the sandbox nodes, each with its own event "
+        "loop, router view and turn gate; each runs many trajectories and grades them). 0 "
+        "(auto): sized before start (trainer.run.sizing, printed by --dry-run): per sandbox node "
+        "ceil(trajectories in flight per node / trajectories_per_agent_worker), at least 1; on "
+        "a local cluster at most what its CPUs leave (cpus_per_agent_worker each). A positive "
+        "number is used as given; either way a multiple of envs.num_sandbox_workers.")
+    trajectories_per_agent_worker: int = knob(
+        128, "num_agent_workers=0: trajectories one worker process drives at its ideal pace "
+        "(wall <= 1.5x what the engine and tools alone take). 128 from "
+        "tests/bench/bench_agent_worker.py on a shared 2-core x86 machine: ~1 ms of "
+        "orchestration CPU per turn, turns of 0.25 s; 128 ran at 1.2x, 256 at 1.9x. Raise it "
+        "where turns are longer or cores faster and idle.")
     cpus_per_agent_worker: float = knob(0.5, "Ray CPUs reserved per AgentLoopWorker.")
     num_router_sessions: int = knob(100_000, "Sticky-routing sessions kept (LRU) before the "
                                     "oldest is forgotten.")

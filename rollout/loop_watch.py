@@ -8,7 +8,9 @@ ends, so a tool that sleeps ten minutes is reported ten minutes late. The thread
 heartbeat the loop writes every PROBE_S and, when it is late, the loop's current asyncio
 task and the loop thread's stack.
 
-What a stall leads to:
+What a stall leads to (a tool is blamed only when the same call of it was on the loop's
+stack at every tick of the stall: a loop merely saturated by many short steps, thousands of
+trajectories waking together, is as late, and a tick then often lands inside some tool):
 - after STALL_S with a tool executing on the loop: a warning naming the tool, repeated
   every REPORT_S while the block lasts; from then on the tool's calls run on a thread (as
   if it declared `blocking = True`), where agent.tool_timeout_s holds;
@@ -106,14 +108,22 @@ class LoopWatchdog:
         stall: _Stall | None = None
         loop = self._loop
         assert loop is not None
+        held: tuple[asyncio.Task | None, FrameType] | None = None  # the tool call seen last tick
+        held_since = 0.0
         while True:
             time.sleep(self.probe_s)
             if loop.is_closed():  # the worker's loop is gone (asyncio.run ended): so is the watch
                 return
             now = time.monotonic()
             if not loop.is_running():  # between runs nothing beats, and nothing is blocked
-                self._beat, stall = now, None
+                self._beat, stall, held = now, None, None
                 continue
+            # A late heartbeat alone blames no tool (a saturated loop is late too): only the
+            # same tool call, seen tick after tick for the whole stall, has held the loop.
+            holder = self._tool_call_on_stack()
+            if holder is None or held is None or holder[0] is not held[0] or holder[1] is not held[1]:
+                held_since = now
+            held = holder
             blocked = now - self._beat - self.probe_s
             if blocked <= self.stall_s:
                 if stall is not None and stall.reported_at:
@@ -121,7 +131,7 @@ class LoopWatchdog:
                                 f"tool {stall.tool!r} returned" if stall.tool else "unblocked")
                 stall = None
                 continue
-            tool = self._tool_blocking()
+            tool = self._tool_blocking(held, now - held_since)
             if stall is None or stall.tool != tool:
                 stall = _Stall(tool, 0.0)
                 if tool is not None:
@@ -139,11 +149,20 @@ class LoopWatchdog:
                             "at %s; every trajectory of the worker waits. Move blocking work off "
                             "the loop (`await asyncio.to_thread(...)`)", blocked, self._blocked_at())
 
-    def _tool_blocking(self) -> str | None:
-        """The tool whose code holds the loop now, if a tool's does."""
+    def _tool_call_on_stack(self) -> tuple[asyncio.Task | None, FrameType] | None:
+        """(the loop's current task, the frame of the tool call it is in), when the loop
+        thread is inside a tool call now."""
         assert self._loop is not None
-        name = self.activity.on_loop.get(asyncio.current_task(self._loop))
-        return name if name is not None and self._in_tool() else None
+        frame = next((f for f in self._stack() if f.f_code is self.tool_code), None)
+        return None if frame is None else (asyncio.current_task(self._loop), frame)
+
+    def _tool_blocking(self, held: tuple[asyncio.Task | None, FrameType] | None,
+                       held_s: float) -> str | None:
+        """The tool whose call has held the loop for the stall (`held`, seen `held_s` on
+        end), if a tool's has: the first tick may come up to one probe after it began."""
+        if held is None or held_s < self.stall_s - self.probe_s:
+            return None
+        return self.activity.on_loop.get(held[0])
 
     def _stack(self) -> list[FrameType]:
         frame = sys._current_frames().get(self._loop_thread)

@@ -112,19 +112,24 @@ class RayRollout:
         return await self.router.engine_stats()
 
 
-def start_agent_workers(cfg: Any, model_path: str, engine_handles: dict[str, Any],
+def start_agent_workers(cfg: Any, num_workers: int, model_path: str, engine_handles: dict[str, Any],
                         sandbox_handles: Mapping[str, Any], placement_group: Any | None,
                         judge_handles: dict[str, Any] | None = None,
                         judge_model_path: str | None = None,
                         durable: DurableSetup | None = None) -> list[Any]:
-    """`rollout.num_agent_workers` actors; worker j lives in bundle j % S of the sandbox
-    pool (S sandbox workers, one per bundle) and uses only that bundle's sandbox pool, so
-    its sandboxes, their final workspaces and its grading stay on one node."""
+    """`num_workers` actors (rollout.num_agent_workers as the trainer resolved it, the
+    auto count included); worker j lives in bundle j % S of the sandbox pool (S sandbox
+    workers, one per bundle) and uses only that bundle's sandbox pool, so its sandboxes,
+    their final workspaces and its grading stay on one node."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pools = list(sandbox_handles.items())
+    if not pools or num_workers < 1 or num_workers % len(pools):
+        raise ValueError(f"{num_workers} agent-loop workers cannot be spread evenly over "
+                         f"{len(pools)} sandbox pools; rollout.num_agent_workers must be a "
+                         "positive multiple of envs.num_sandbox_workers (or 0: auto)")
     workers = []
-    for j in range(cfg.rollout.num_agent_workers):
+    for j in range(num_workers):
         name, handle = pools[j % len(pools)]
         options: dict[str, Any] = {"num_cpus": cfg.rollout.cpus_per_agent_worker,
                                    "max_concurrency": MAX_CONCURRENCY}

@@ -19,6 +19,7 @@ from rollout.engine import quiet_vllm_cpu_notice
 from trainer.run.config import SluiceConfig, iter_fields
 from trainer.run.model_check import check_models, format_model_report
 from trainer.run.pools import format_pool_plan, plan_pools
+from trainer.run.sizing import resolve_agent_workers
 from trainer.run.recipe import load_config
 
 # Exit codes (docs/troubleshooting.md has the table).
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config: {recipe or 'defaults'} with {len(overrides)} override(s); the resolved "
               "config goes to the run folder's config.yaml (`--dry-run` prints it)")
     print("resource pools:\n" + format_pool_plan(plan_pools(cfg)))
+    print(f"agent-loop workers: {resolve_agent_workers(cfg).describe()}")
     print(format_model_report(models))
     if problems:
         return EXIT_CONFIG

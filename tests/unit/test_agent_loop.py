@@ -491,3 +491,42 @@ def test_the_watchdog_thread_ends_with_its_event_loop(tokenizer):
     assert worker.watchdog.thread is not None
     worker.watchdog.thread.join(timeout=5)
     assert not worker.watchdog.thread.is_alive(), "the watchdog outlived its event loop"
+
+
+async def test_a_loop_saturated_by_many_short_tool_steps_blames_no_tool():
+    """Thousands of trajectories waking together keep the loop busy past the stall
+    threshold with short steps, many of them inside a tool: a heartbeat that late is no
+    blocking tool, so none is named or moved to a thread (where calls queue for the
+    loop's few executor threads)."""
+    from rollout.agent_loop import execute_tool
+    from rollout.loop_watch import LoopWatchdog, ToolActivity
+
+    class ShortStepsTool:
+        name = "steps"
+
+        async def execute(self, arguments: Mapping[str, Any]) -> ToolResult:
+            for _ in range(3):
+                until = time.perf_counter() + 0.003  # 3 ms of Python work per step
+                while time.perf_counter() < until:
+                    pass
+                await asyncio.sleep(0)
+            return ToolResult("done")
+
+    activity = ToolActivity()
+    watchdog = LoopWatchdog(activity, execute_tool.__code__, 30.0, probe_s=0.05, stall_s=0.25)
+    watchdog.start()
+    late = []
+
+    async def lateness():  # the heartbeat the watchdog reads is late like this one
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(0.05)
+            late.append(time.monotonic() - start - 0.05)
+    probe = asyncio.create_task(lateness())
+    await asyncio.sleep(0.1)
+    results = await asyncio.gather(*(execute_tool(ShortStepsTool(), "steps", {}, activity)
+                                     for _ in range(150)))
+    probe.cancel()
+    assert all(r.content == "done" for r in results)
+    assert max(late) > 0.3  # the loop was as late as a blocked one (150 x 3 ms a round)
+    assert watchdog.num_stalls == 0 and activity.blocking == set()

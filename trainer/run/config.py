@@ -142,7 +142,7 @@ def check_config(cfg: SluiceConfig) -> None:
     r, a, t, lo, j = cfg.rollout, cfg.agent, cfg.train, cfg.loss, cfg.reward.judge
 
     for key, value in [("rollout.num_engines", r.num_engines), ("rollout.tp_size", r.tp_size),
-                       ("rollout.num_agent_workers", r.num_agent_workers),
+                       ("rollout.trajectories_per_agent_worker", r.trajectories_per_agent_worker),
                        ("train.num_ranks", t.num_ranks), ("train.group_size", t.group_size),
                        ("train.groups_per_step", t.groups_per_step),
                        ("train.num_minibatches", t.num_minibatches),
@@ -196,6 +196,8 @@ def check_config(cfg: SluiceConfig) -> None:
                        ("sync.timeout_s", cfg.sync.timeout_s)]:
         _require(value > 0, key, f"must be > 0 seconds, got {value}")
 
+    _require(r.num_agent_workers >= 0, "rollout.num_agent_workers",
+             f"must be >= 0 (0: sized from the recipe, trainer.run.sizing), got {r.num_agent_workers}")
     _require(r.num_agent_workers % cfg.envs.num_sandbox_workers == 0, "rollout.num_agent_workers",
              f"must be a multiple of envs.num_sandbox_workers ({cfg.envs.num_sandbox_workers}): "
              "each sandbox node hosts the same number of agent-loop workers, which run their "

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from trainer.run.config import SluiceConfig
+from trainer.run.sizing import resolve_agent_workers
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -75,15 +76,16 @@ def plan_pools(cfg: SluiceConfig) -> tuple[PoolSpec, ...]:
                               ("reward.judge.num_engines", "reward.judge.tp_size",
                                "reward.judge.cpus_per_engine")))
     # Agent-loop workers live beside the sandboxes they use and grade with: each bundle
-    # hosts one SandboxWorker and num_agent_workers / num_sandbox_workers AgentLoopWorkers.
-    per_node = r.num_agent_workers // e.num_sandbox_workers
+    # hosts one SandboxWorker and its node's share of the AgentLoopWorkers (given or auto).
+    per_node = resolve_agent_workers(cfg).per_node
     cpus = e.cpus_per_sandbox_worker + per_node * r.cpus_per_agent_worker
     pools.append(PoolSpec("sandbox", e.num_sandbox_workers,
                           _bundle(cpus, 0, **{cfg.cluster.sandbox_resource: 1}),
                           "SPREAD", f"SandboxWorker (<= {e.sandboxes_per_worker} sandboxes) + "
                           f"{per_node} AgentLoopWorker{'s' if per_node > 1 else ''}",
                           ("envs.num_sandbox_workers", "envs.cpus_per_sandbox_worker",
-                           "rollout.num_agent_workers", "rollout.cpus_per_agent_worker")))
+                           "rollout.num_agent_workers", "rollout.trajectories_per_agent_worker",
+                           "rollout.cpus_per_agent_worker")))
     return tuple(pools)
 
 

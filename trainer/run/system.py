@@ -33,6 +33,7 @@ from envs.types import Task
 from rollout.durable import DurableSetup
 from trainer.run.config import SluiceConfig
 from trainer.run.seams import RolloutSide, TrainerSide
+from trainer.run.sizing import resolve_agent_workers
 from trainer.run.controller import Controller, EnvMetrics, RunSummary
 from trainer.run.metrics import (ConsoleSink, EventSink, JsonlSink, MetricsLogger, MetricsSink,
                                  TranscriptSink, WandbSink, startup_events)
@@ -271,8 +272,9 @@ async def start_parts(cfg: SluiceConfig, model_path: str, images: Sequence[str] 
             await close_sandbox_pools(list(sandboxes.handles.values()))
         raise next(r for r in (engines, judge, sandboxes) if isinstance(r, BaseException))
     judge_handles = engine_handles(judge.engines) if judge else None
-    workers = start_agent_workers(cfg, model_path, engine_handles(engines),
-                                  sandboxes.handles, placed["sandbox"], judge_handles, judge_path, durable)
+    workers = start_agent_workers(cfg, resolve_agent_workers(cfg).total, model_path,
+                                  engine_handles(engines), sandboxes.handles, placed["sandbox"],
+                                  judge_handles, judge_path, durable)
     router = Router(engines)
     # cpu (None): rank 0 sends the prepared bytes itself; nccl, gloo: the broadcast transport
     transport = build_transport(cfg, sender=group)
