@@ -1,7 +1,7 @@
 """Virtual-clock simulator: `python -m launch.simulate recipe=NAME.yaml [section.key=value ...]
 [--profile FILE.yaml] [plan.key=value ...] --mode sync|async [--steps N] [--tail none|seed]
 [--sandboxes stateful|releasable] [--token-unit N] [--seed N] [--worker model|real]
-[--double-in-flight] [--json] [--trace FILE]`.
+[--push-latency-s S] [--double-in-flight] [--json] [--trace FILE]`.
 
 Runs the real `Controller` and `ReplayBuffer` (admission bound, staleness, accounting),
 the real `Router` (sticky, least-loaded first turn; or by KV residency, from the engine
@@ -37,7 +37,7 @@ from launch.plan import (build_plan, compute_account, compute_sandbox_nodes, loa
 from launch.plan_profile import PlanProfile
 from launch.sim.engine_client import SimEngine, SimWorld
 from launch.sim.engine_model import EngineModel, build_engine_spec
-from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel, hang_prob_for
+from launch.sim.sandbox_model import ExecTimeModel, SandboxPoolModel, seed_tail
 from launch.sim.sides import SimRollout, SimRouting, SimSandboxes, SimTrainer, TrajectoryProfile
 from launch.sim.trainer_model import TrainerModel
 from trainer.run.config import SluiceConfig
@@ -55,7 +55,7 @@ class SimOptions:
     seed: int = 0
     restore_s: float = 0.5  # snapshot restore per grant of a releasable sandbox
     push_bytes_per_s: float = 50e9  # weight push bandwidth (NCCL broadcast)
-    push_latency_s: float = 1.0  # pause, checksum, resume
+    push_latency_s: float = 1.0  # pause, checksum, resume (--push-latency-s: a measured push)
     double_in_flight: bool = False  # CLI: also run with twice the trajectories in flight
     worker: str = "model"  # model: launch.sim.sides' trajectories; real: the AgentLoopWorker
 
@@ -103,9 +103,7 @@ def build_exec_model(cfg: SluiceConfig, exec_s: float, turns: int, tail: str) ->
     if tail == "none":
         return ExecTimeModel(mean_s=exec_s, sigma=0.0, timeout_s=float("inf"))
     if tail == "seed":  # the seed's long-tail table, cut at the recipe's tool timeout
-        return ExecTimeModel(mean_s=exec_s, sigma=0.6, hang_prob=hang_prob_for(0.05, turns),
-                             timeout_s=cfg.agent.tool_timeout_s, crash_prob=0.01,
-                             max_retries=3, restart_s=3.0)
+        return seed_tail(exec_s, turns, cfg.agent.tool_timeout_s)
     raise ValueError(f"--tail {tail!r}: use none or seed")
 
 
@@ -311,7 +309,8 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None, SimO
     values: dict[str, str] = {}
     doubled = False
     names = {"--mode": "mode", "--steps": "steps", "--tail": "tail", "--sandboxes": "sandboxes",
-             "--token-unit": "token_unit", "--seed": "seed", "--worker": "worker"}
+             "--token-unit": "token_unit", "--seed": "seed", "--worker": "worker",
+             "--push-latency-s": "push_latency_s"}
     it = iter(argv)
     for arg in it:
         if arg == "--json":
@@ -344,11 +343,18 @@ def parse_argv(argv: list[str]) -> tuple[str | None, list[str], str | None, SimO
             raise ValueError(f"--{name.replace('_', '-')} takes a whole number, got {text!r}")
         return int(text)
 
+    try:
+        push_latency_s = float(values.get("push_latency_s", default.push_latency_s))
+    except ValueError:
+        raise ValueError(f"--push-latency-s takes seconds, got {values['push_latency_s']!r}") from None
+    if not push_latency_s >= 0:
+        raise ValueError(f"--push-latency-s must be >= 0 seconds, got {push_latency_s:g}")
     opts = SimOptions(mode=values.get("mode", default.mode), steps=count("steps", default.steps),
                       tail=values.get("tail", default.tail),
                       sandboxes=values.get("sandboxes", default.sandboxes),
                       token_unit=count("token_unit", default.token_unit), seed=count("seed", default.seed),
-                      double_in_flight=doubled, worker=values.get("worker", default.worker))
+                      double_in_flight=doubled, worker=values.get("worker", default.worker),
+                      push_latency_s=push_latency_s)
     if opts.mode not in ("sync", "async") or opts.sandboxes not in ("stateful", "releasable"):
         raise ValueError("--mode is sync or async; --sandboxes is stateful or releasable")
     if opts.worker not in ("model", "real"):

@@ -68,6 +68,15 @@ def hang_prob_for(trajectory_share: float, turns: int) -> float:
     return 1 - (1 - trajectory_share) ** (1 / turns)
 
 
+def seed_tail(exec_s: float, turns: int, timeout_s: float) -> ExecTimeModel:
+    """`--tail seed` of `launch.simulate`: a lognormal body of mean `exec_s`, hangs on 5% of
+    the trajectories of `turns` commands, run into `timeout_s` (the tool timeout), and 1%
+    of attempts crashing (retried up to 3 times after a 3 s cold start). The heavy-tail
+    bench (tests/bench/heavy_tail_loop.py) draws its sandbox commands' times from it too."""
+    return ExecTimeModel(mean_s=exec_s, sigma=0.6, hang_prob=hang_prob_for(0.05, turns),
+                         timeout_s=timeout_s, crash_prob=0.01, max_retries=3, restart_s=3.0)
+
+
 SEED_EXEC = ExecTimeModel(mean_s=30.0, sigma=0.6, hang_prob=hang_prob_for(0.05, 20),
                           timeout_s=600.0, crash_prob=0.01, max_retries=3, restart_s=3.0)
 

@@ -53,14 +53,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_alternating(modes: tuple[str, ...], rounds: int,
-                    run_one: Callable[[str, Path], dict]) -> dict[str, list[dict]]:
+                    run_one: Callable[[str, Path], dict],
+                    keep_dir: Path | None = None) -> dict[str, list[dict]]:
     """`run_one(mode, out_dir)` for each mode in turn, `rounds` times (so machine noise hits
-    every mode alike), each result printed as it comes; the results by mode."""
+    every mode alike), each result printed as it comes; the results by mode. The run
+    folders go to a temporary folder, or stay in `keep_dir` when given."""
     results: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
+        out = keep_dir or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
         for _ in range(rounds):
             for mode in modes:
-                results[mode].append(run_one(mode, Path(tmp)))
+                results[mode].append(run_one(mode, out))
                 print(f"{mode}: {results[mode][-1]}", flush=True)
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, python "
           f"{platform.python_version()}")

@@ -412,6 +412,42 @@ async def test_admission_stops_at_the_sandbox_capacity_times_oversubscription():
     assert rollout.peak_in_flight == 2
 
 
+async def test_admission_waits_are_put_on_the_bound_that_stops_it(caplog):
+    # The sandbox cap binds (2 groups of the 8 the staleness bound allows): it is said once
+    # at the start with the sandboxes_per_worker that lifts it, and each step reports the
+    # share of its time admission waited on each bound.
+    capped = dict(steps=4, eta=3, B=2, G=4, rollout={"num_agent_workers": 2})
+    with caplog.at_level("INFO", logger="trainer.run.controller"):
+        ctl, _, _ = make(FakeRollout(turn_s=0.01), envs={
+            "num_sandbox_workers": 2, "sandboxes_per_worker": 3, "num_warm_sandboxes": 0,
+            "sandbox_oversubscription": 1.4}, **capped)
+    assert [r.getMessage() for r in caplog.records if "sandbox pool caps" in r.getMessage()] == [
+        "admission keeps at most 2 groups in flight (envs.num_sandbox_workers x sandboxes_per_worker x "
+        "sandbox_oversubscription / train.group_size = 2 x 3 x 1.4 / 4), fewer than the 8 the "
+        "staleness bound allows ((buffer.max_staleness + 1) x train.groups_per_step, "
+        "train.mode=async): the sandbox pool caps rollout. Set envs.sandboxes_per_worker=12 to "
+        "let the staleness bound decide."]  # 2 x 12 x 1.4 = 33.6 -> 33 // 4 = 8 groups
+    sink = RecordingSink()
+    ctl.logger = MetricsLogger([sink])
+    await ctl.run()
+    rows = list(sink.rows.values())
+    assert all(0 < r["perf/admission_blocked_sandboxes_ratio"] <= 1 for r in rows)
+    assert all(r["perf/admission_blocked_staleness_ratio"] == 0 for r in rows)  # never reached
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="trainer.run.controller"):  # sandboxes for all 8
+        ctl, _, _ = make(FakeRollout(turn_s=0.01), envs={
+            "num_sandbox_workers": 2, "sandboxes_per_worker": 12, "num_warm_sandboxes": 0,
+            "sandbox_oversubscription": 1.4}, **capped)
+    assert not [r for r in caplog.records if "sandbox pool caps" in r.getMessage()]
+    sink = RecordingSink()
+    ctl.logger = MetricsLogger([sink])
+    await ctl.run()
+    rows = list(sink.rows.values())
+    assert all(r["perf/admission_blocked_sandboxes_ratio"] == 0 for r in rows)
+    assert all(0 < r["perf/admission_blocked_staleness_ratio"] <= 1 for r in rows)
+
+
 # --- stragglers (buffer.group_deadline_s) ---------------------------------------------
 
 def straggler_run(policy: str, *, slow_s: float = 0.12, **buffer):

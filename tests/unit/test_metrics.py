@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from trainer.run.metrics import BusyClock, JsonlSink, MetricsLogger, compute_loop_metrics
+from trainer.run.metrics import BusyClock, JsonlSink, MetricsLogger, StateClock, compute_loop_metrics
 
 
 class FailingSink:
@@ -40,6 +40,23 @@ def test_busy_clock_measures_the_idle_fraction():
     clock.reset()
     now[0] = 7.0
     assert clock.idle_ratio() == 0.0
+
+
+def test_state_clock_splits_the_window_between_named_states():
+    now = [0.0]
+    clock = StateClock(now=lambda: now[0])
+    now[0] = 1.0  # in no state 1 s
+    clock.enter("staleness")
+    now[0] = 4.0  # 3 s
+    clock.enter("sandboxes")
+    now[0] = 5.0  # 1 s
+    clock.enter(None)
+    now[0] = 8.0  # in none 3 s
+    assert clock.ratio("staleness") == 3.0 / 8.0 and clock.ratio("sandboxes") == 1.0 / 8.0
+    clock.enter("staleness")
+    clock.reset()  # the state goes on into the next window
+    now[0] = 10.0
+    assert clock.ratio("staleness") == 1.0 and clock.ratio("sandboxes") == 0.0
 
 
 def test_per_tool_counts_reach_the_metrics_and_the_turn_events():

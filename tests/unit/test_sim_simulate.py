@@ -119,6 +119,20 @@ def test_cli_prints_the_comparison_and_writes_a_trace(tmp_path, capsys):
     assert "stateful sandboxes" in capsys.readouterr().err
 
 
+def test_push_latency_is_a_flag_and_lengthens_each_step_by_its_change(capsys):
+    # Sync steps without a tail repeat exactly: each push's fixed latency is part of the step.
+    args = ["recipe=swe_grpo.yaml", *SMALL, "--steps", "2", "--mode", "sync", "--tail", "none", "--json"]
+    steps = {}
+    for latency in ("0", "5.5"):
+        assert main([*args, "--push-latency-s", latency]) == 0
+        steps[latency] = json.loads(capsys.readouterr().out)["step_s"]
+    assert [b - a for a, b in zip(steps["0"], steps["5.5"])] == pytest.approx([5.5, 5.5])
+    assert main([*args, "--push-latency-s", "soon"]) == 2
+    assert "--push-latency-s takes seconds" in capsys.readouterr().err
+    assert main([*args, "--push-latency-s", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+
+
 def test_doubling_the_trajectories_in_flight_lowers_the_hit_rate(capsys):
     # The seed's experiment: 6 GB of KV per engine holds ~9 whole trajectories; 16 per
     # engine in flight already evict some, 32 evict most.

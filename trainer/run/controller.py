@@ -47,7 +47,7 @@ from buffer.replay_buffer import BufferState, ReplayBuffer
 from envs.types import Group, Task, TerminationReason
 from trainer.train.advantages import compute_group_advantages
 from trainer.run.config import SluiceConfig
-from trainer.run.metrics import (BusyClock, EventSink, MetricsLogger, TranscriptSink,
+from trainer.run.metrics import (BusyClock, EventSink, MetricsLogger, StateClock, TranscriptSink,
                              compute_batch_metrics, compute_loop_metrics, mean_sample_reward,
                              turn_events)
 from trainer.run.seams import RolloutSide, TrainerSide
@@ -56,6 +56,23 @@ log = logging.getLogger(__name__)
 
 # Metrics of the environment side since the last call (sandbox pools: env/* keys).
 EnvMetrics = Callable[[], Awaitable[dict[str, float]]]
+
+
+def log_sandbox_cap(cfg: SluiceConfig, max_running_groups: int, capacity: int) -> None:
+    """Say, once at the start, that the sandbox pool (not the staleness bound) caps the
+    groups in flight, and what sandboxes_per_worker lets the staleness bound decide. Under
+    a heavy tail the slow groups then hold most of those few slots and the trainer waits."""
+    e, t = cfg.envs, cfg.train
+    needed = e.sandboxes_per_worker
+    while int(e.num_sandbox_workers * needed * e.sandbox_oversubscription) // t.group_size < capacity:
+        needed += 1
+    log.info("admission keeps at most %d groups in flight (envs.num_sandbox_workers x "
+             "sandboxes_per_worker x sandbox_oversubscription / train.group_size = %d x %d x %g / %d), "
+             "fewer than the %d the staleness bound allows ((buffer.max_staleness + 1) x "
+             "train.groups_per_step, train.mode=%s): the sandbox pool caps rollout. Set "
+             "envs.sandboxes_per_worker=%d to let the staleness bound decide.",
+             max_running_groups, e.num_sandbox_workers, e.sandboxes_per_worker,
+             e.sandbox_oversubscription, t.group_size, capacity, t.mode, needed)
 
 
 class RepeatedFailureError(RuntimeError):
@@ -134,6 +151,8 @@ class Controller:
         sandboxes = e.num_sandbox_workers * e.sandboxes_per_worker
         self.max_running_groups = max(1, int(sandboxes * e.sandbox_oversubscription)
                                       // cfg.train.group_size)
+        if self.max_running_groups < self.buffer.capacity:
+            log_sandbox_cap(cfg, self.max_running_groups, self.buffer.capacity)
         self.version = 0
         self.cursor = 0
         self.run_id = run_id
@@ -147,6 +166,10 @@ class Controller:
         self._stopping = False
         self._stopped = asyncio.Event()  # set by stop(): work that would outlast it is cancelled
         self._trainer_clock = BusyClock(clock)
+        # Why admission waits: "staleness" (the (eta + 1) x B groups alive) or "sandboxes"
+        # (the running groups fill the sandbox pool x oversubscription; the staleness bound
+        # would admit more). Neither: a group is being admitted, or none can be (stopping).
+        self._admission_clock = StateClock(clock)
         self._rollout_idle: list[float] = []
         self._group_ids = itertools.count()
         self._end_reasons: Counter[str] = Counter()
@@ -203,7 +226,17 @@ class Controller:
                 self._running.add(job)
                 job.add_done_callback(self._running.discard)
             self._capacity.clear()
+            self._admission_clock.enter(self._admission_limit())
             await self._capacity.wait()
+            self._admission_clock.enter(None)
+
+    def _admission_limit(self) -> str | None:
+        """The bound that stops admission now (the staleness bound first: it is the design's)."""
+        if self._stopping:
+            return None
+        if self.buffer.num_alive >= self.buffer.capacity:
+            return "staleness"
+        return "sandboxes" if self.buffer.num_running >= self.max_running_groups else None
 
     async def _run_group(self, task: Task, group_id: str) -> None:
         self._in_flight[group_id] = task
@@ -430,9 +463,12 @@ class Controller:
         idle = self._rollout_idle
         out.update({"perf/trainer_idle_ratio": self._trainer_clock.idle_ratio(),
                     "perf/rollout_idle_ratio": float(np.mean(idle)) if idle else 0.0,
+                    "perf/admission_blocked_staleness_ratio": self._admission_clock.ratio("staleness"),
+                    "perf/admission_blocked_sandboxes_ratio": self._admission_clock.ratio("sandboxes"),
                     "timing/step_s": self.clock() - step_start})
         if self.env_metrics is not None:
             out.update(await self.env_metrics())
         self._trainer_clock.reset()
+        self._admission_clock.reset()
         self._rollout_idle = []
         return out

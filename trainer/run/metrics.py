@@ -390,6 +390,38 @@ class BusyClock:
         self._idle_s = 0.0
 
 
+class StateClock:
+    """Fraction of wall time spent in each named state (at most one at a time; `None`: in
+    none of them) since the last `reset()`."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self._now = now
+        self._state: str | None = None
+        self._since = now()
+        self._window_start = self._since
+        self._seconds: dict[str, float] = {}
+
+    def _settle(self) -> None:
+        now = self._now()
+        if self._state is not None:
+            self._seconds[self._state] = self._seconds.get(self._state, 0.0) + now - self._since
+        self._since = now
+
+    def enter(self, state: str | None) -> None:
+        self._settle()
+        self._state = state
+
+    def ratio(self, state: str) -> float:
+        self._settle()
+        window = self._since - self._window_start
+        return self._seconds.get(state, 0.0) / window if window > 0 else 0.0
+
+    def reset(self) -> None:
+        self._settle()
+        self._window_start = self._since
+        self._seconds = {}
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
