@@ -18,11 +18,11 @@ Logits are never materialised for the whole row when `chunk_tokens` > 0 (the def
 head `chunk_tokens` positions at a time, and only [T] logprobs and entropies leave each
 chunk. With gradients each chunk but the last is checkpointed: backward recomputes its
 [chunk, V] logits instead of keeping them, so memory for one sequence is linear in its
-length with a constant of about H + 2 values per position, plus one chunk's logits.
+length with a constant of about H + 2 values per position, plus one chunk's logits. At
+65,536 tokens and Qwen3's 151,936-entry vocabulary the unchunked fp32 logits alone are
+40 GB (three times that with softmax and gradients); one 2,048-position chunk is 1.2 GB.
 The training step asks for the positions of its model tokens only (`loss_positions_only`):
-the rest of the row (prompt, tool output) skips the head, its softmax and their backward. At 65,536 tokens and
-Qwen3's 151,936-entry vocabulary the unchunked fp32 logits alone are 40 GB (three times
-that with softmax and gradients); one 2,048-position chunk is 1.2 GB.
+the rest of the row (prompt, tool output) skips the head, its softmax and their backward.
 
 A row that holds images (vision-language policies) also passes the model its vision
 inputs, built from the rollout processor's arrays (`trainer.train.backends.vision`); the
