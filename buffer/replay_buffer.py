@@ -138,9 +138,14 @@ class ReplayBuffer:
         """Running + buffered + in training: what admission is bounded on."""
         return self._running + len(self._groups) + self._in_training
 
+    @property
+    def is_full(self) -> bool:
+        """The staleness budget is spent: no group is admitted until one leaves."""
+        return self.num_alive >= self.capacity
+
     def try_admit(self) -> bool:
         """Reserve a slot for one new task group if the staleness budget allows it."""
-        if self.num_alive >= self.capacity:
+        if self.is_full:
             return False
         self._admitted += 1
         self._running += 1

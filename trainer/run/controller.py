@@ -219,8 +219,7 @@ class Controller:
     # --- admission loop ----------------------------------------------------------------
     async def _admission_loop(self) -> None:
         while not self._stopping:
-            while (not self._stopping and self.buffer.num_running < self.max_running_groups
-                   and self.buffer.try_admit()):
+            while not self._stopping and not self._sandboxes_full() and self.buffer.try_admit():
                 task, group_id = next(self._task_stream)
                 job = asyncio.create_task(self._run_group(task, group_id))
                 self._running.add(job)
@@ -234,9 +233,13 @@ class Controller:
         """The bound that stops admission now (the staleness bound first: it is the design's)."""
         if self._stopping:
             return None
-        if self.buffer.num_alive >= self.buffer.capacity:
+        if self.buffer.is_full:
             return "staleness"
-        return "sandboxes" if self.buffer.num_running >= self.max_running_groups else None
+        return "sandboxes" if self._sandboxes_full() else None
+
+    def _sandboxes_full(self) -> bool:
+        """The running groups fill the sandbox pool (x its oversubscription)."""
+        return self.buffer.num_running >= self.max_running_groups
 
     async def _run_group(self, task: Task, group_id: str) -> None:
         self._in_flight[group_id] = task
