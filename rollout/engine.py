@@ -272,12 +272,17 @@ def read_kv_events(endpoint: str, log_to: KvEventLog, stop: threading.Event) -> 
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
+    """How one request samples; the fields map one to one onto vLLM's SamplingParams."""
+
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Run to max_new_tokens past the model's EOS: for benches and checks that need a
+    # request still running when they act on it, whatever the weights sample.
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +431,8 @@ class VLLMEngine:
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
-            stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
+            stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)
         expected = [int(t) for t in prompt_ids]
         if images:

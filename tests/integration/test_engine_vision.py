@@ -129,7 +129,7 @@ def test_text_with_the_placeholder_token_or_images_for_a_text_model_are_refused(
 @in_module_loop
 async def test_engine_scores_an_image_context_like_transformers(vl_engine, chat, vl_path):
     context = _context(chat)
-    out = await vl_engine.generate("vl-1", context, Sampling(max_new_tokens=12, seed=3, stop_token_ids=()),
+    out = await vl_engine.generate("vl-1", context, Sampling(max_new_tokens=12, seed=3, ignore_eos=True),
                                    for_engine(context.images))
     assert out.num_prompt_tokens == len(context) and len(out.token_ids) == 12
     ref = _reference_logprobs(_model(vl_path), context, out.token_ids)
