@@ -73,7 +73,8 @@ class SimReport:
     staleness_max: int
     prefix_cache_hit_rate: float  # hit tokens / prompt tokens, as vLLM counts them
     tier_hit_rate: float  # of the prompt tokens, those loaded from the offload tier
-    tier_load_s_per_step: float  # of prefill_s_per_step: loading them, per engine
+    # Loading them, per engine: the transfer channel's time, beside the engine's (not in prefill).
+    tier_load_s_per_step: float
     prefill_s_per_step: float  # per engine, as the planner's prefill_*_s
     decode_s_per_step: float
     sandboxes_peak: int

@@ -148,13 +148,20 @@ def kv_offload_args(spec: EngineSpec) -> dict[str, Any]:
     """AsyncEngineArgs keywords of the spec's KV tier, each through vLLM's own connector:
     cpu, vLLM's top-level offload knobs (its OffloadingConnector); disk, the
     SimpleCPUOffloadConnector's disk backend behind its host-memory stage; lmcache,
-    vLLM's LMCache backend (its multi-process server holds the KV)."""
+    vLLM's LMCache backend (its multi-process server holds the KV).
+
+    With KV events on (residency routing), the OffloadingConnector is asked for its
+    self-describing events: without them its stores carry no token ids, so a router could
+    not tell which prefixes the tier holds."""
     s = spec
     if s.kv_offload_tier == "none":
         return {}
     if s.kv_offload_tier in ("cpu", "lmcache"):
-        return {"kv_offloading_backend": "native" if s.kv_offload_tier == "cpu" else "lmcache",
-                "kv_offloading_size": s.kv_offload_bytes / (1 << 30)}
+        args: dict[str, Any] = {"kv_offloading_backend": "native" if s.kv_offload_tier == "cpu" else "lmcache",
+                                "kv_offloading_size": s.kv_offload_bytes / (1 << 30)}
+        if s.kv_offload_tier == "cpu" and s.kv_events:  # vLLM adds its own keys to this config
+            args["kv_transfer_config"] = {"kv_connector_extra_config": {"self_describing_kv_events": True}}
+        return args
     if s.kv_offload_tier == "disk":
         return {"kv_transfer_config": {
             "kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
@@ -259,9 +266,9 @@ def read_kv_events(endpoint: str, log_to: KvEventLog, stop: threading.Event) -> 
             for e in batch.events:
                 if isinstance(e, BlockStored):
                     events.append(("stored", e.parent_block_hash, e.block_hashes, e.token_ids,
-                                   e.block_size, e.extra_keys))
+                                   e.block_size, e.extra_keys, e.medium))
                 elif isinstance(e, BlockRemoved):
-                    events.append(("removed", e.block_hashes))
+                    events.append(("removed", e.block_hashes, e.medium))
                 elif isinstance(e, AllBlocksCleared):
                     events.append(("cleared",))
             log_to.add_batch(events, gap=last is not None and seq != last + 1)

@@ -6,7 +6,11 @@ turn to the engine that holds most of its prefix (rollout.routing=residency).
   hashes are turned into keys of the blocks' content (`block_keys`: the token ids of the
   block and of every block before it, and the request's cache salt), which a router can
   compute from a prompt alone. Each batch gets a sequence number; the log keeps the last
-  `max_batches` of them.
+  `max_batches` of them. An engine with an offload tier (rollout.kv_offload) publishes
+  the tier's stores and removals too, under their medium ("CPU", "STORAGE"; the pool's is
+  "GPU"): a key is held while any medium holds it, since a prefix in the tier is loaded,
+  not recomputed. Stores and removals are counted per medium, as vLLM asks of a consumer
+  (a tier announces a block once per chunk it is part of).
 - Router side (`ResidencyView`): per engine, the set of keys it holds, updated from
   `KvEventLog.since(seq)` deltas on the router's load poll and, at once, with the blocks of
   the prompts it sends there (they are stored when the prefill runs). The view is bounded
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ROOT_KEY = 0x5C1CE  # the parent of every prompt's first block
+POOL_MEDIUM = "GPU"  # vLLM's medium of the engine's own KV pool (its events' default)
 
 
 def salt_code(salt: str | None) -> int:
@@ -74,6 +79,7 @@ class KvEventLog:
     def __init__(self, max_batches: int = 4096, max_blocks: int = 1 << 20) -> None:
         self._lock = threading.Lock()
         self._keys: OrderedDict[int | bytes, int] = OrderedDict()  # vLLM's block hash -> key
+        self._holders: dict[int, dict[str, int]] = {}  # key -> medium -> stores not yet removed
         self._max_blocks = max_blocks
         # (seq, stored, removed, cleared, gap): gap when vLLM's own sequence skipped
         # before this batch (its publisher drops batches past its high-water mark)
@@ -81,24 +87,64 @@ class KvEventLog:
         self._seq = 0
         self.block_size = 0
         self.num_unchained = 0  # stored blocks whose parent was never seen (skipped)
+        # Stored blocks without token ids (a tier's events without vLLM's
+        # self_describing_kv_events): they cannot be keyed, so they are skipped.
+        self.num_undescribed = 0
 
     def add_batch(self, events: Iterable[tuple], gap: bool = False) -> None:
         """One batch of vLLM's events, each ("stored", parent_hash, block_hashes,
-        token_ids, block_size, extra_keys), ("removed", block_hashes) or ("cleared",);
-        `gap`: batches before it never arrived."""
+        token_ids, block_size, extra_keys[, medium]), ("removed", block_hashes[, medium]) or
+        ("cleared",) (the pool's blocks); medium None is the pool's. `gap`: batches before
+        it never arrived."""
         held: dict[int, bool] = {}  # key -> stored (True) or removed (False), in event order
         cleared = False
         with self._lock:
             for event in events:
                 kind = event[0]
                 if kind == "stored":
-                    _net(held, self._stored(*event[1:]), True)
+                    medium = (event[6] if len(event) > 6 else None) or POOL_MEDIUM
+                    _net(held, self._hold(self._stored(*event[1:6]), medium), True)
                 elif kind == "removed":
-                    _net(held, [k for h in event[1] if (k := self._keys.pop(h, None)) is not None], False)
+                    medium = (event[2] if len(event) > 2 else None) or POOL_MEDIUM
+                    _net(held, self._unhold(event[1], medium), False)
                 elif kind == "cleared":
-                    self._keys.clear()
-                    held, cleared = {}, True
+                    if all(set(m) == {POOL_MEDIUM} for m in self._holders.values()):
+                        self._keys.clear()
+                        self._holders.clear()
+                        held, cleared = {}, True
+                    else:  # the tier keeps its blocks: only those held by the pool alone go
+                        _net(held, self._unhold([h for h, k in self._keys.items()
+                                                 if POOL_MEDIUM in self._holders.get(k, {})],
+                                                POOL_MEDIUM, every=True), False)
             self._append(held, cleared, gap)
+
+    def _hold(self, keys: list[int], medium: str) -> list[int]:
+        """Count a store of `keys` in `medium`; the keys no medium held before."""
+        new = []
+        for key in keys:
+            media = self._holders.setdefault(key, {})
+            if not media:
+                new.append(key)
+            media[medium] = media.get(medium, 0) + 1
+        return new
+
+    def _unhold(self, hashes: Iterable[int | bytes], medium: str, every: bool = False) -> list[int]:
+        """Count a removal of `hashes` from `medium` (`every`: all of its stores); the keys
+        no medium holds any more. A hash never stored (or forgotten) is ignored."""
+        gone = []
+        for h in hashes:
+            key = self._keys.get(h)
+            media = self._holders.get(key) if key is not None else None
+            if key is None or not media or medium not in media:
+                continue
+            media[medium] = 0 if every else media[medium] - 1
+            if media[medium] <= 0:
+                del media[medium]
+            if not media:
+                del self._holders[key]
+                del self._keys[h]
+                gone.append(key)
+        return gone
 
     def add_keys(self, stored: Sequence[int], removed: Sequence[int], cleared: bool = False) -> None:
         """One batch already in keys (an engine that is not vLLM: the simulator's); a clear
@@ -117,6 +163,9 @@ class KvEventLog:
     def _stored(self, parent_hash: int | bytes | None, block_hashes: Sequence[int | bytes],
                 token_ids: Sequence[int], block_size: int,
                 extra_keys: Sequence[tuple | None] | None) -> list[int]:
+        if block_size <= 0 or len(token_ids) < len(block_hashes) * block_size:
+            self.num_undescribed += len(block_hashes)
+            return []
         self.block_size = block_size
         parent = None
         if parent_hash is not None:
@@ -127,7 +176,10 @@ class KvEventLog:
         keys = []
         for b, h in enumerate(block_hashes):
             chunk = token_ids[b * block_size:(b + 1) * block_size]
-            if parent is None:  # a first block: vLLM puts the request's cache salt in its extra keys
+            if parent is None and h in self._keys:  # a first block another medium keyed
+                # (a tier's event has no cache salt in its extra keys; the pool's had it)
+                parent = self._keys[h]
+            elif parent is None:  # a first block: vLLM puts the request's cache salt in its extra keys
                 # (after a LoRA name, which would be the first string: no LoRA is served here)
                 extra = extra_keys[b] if extra_keys else None
                 salt = next((x for x in extra or () if isinstance(x, str)), None)
@@ -135,9 +187,10 @@ class KvEventLog:
             else:
                 parent = hash((parent, *chunk))
             self._keys[h] = parent
+            self._keys.move_to_end(h)
             keys.append(parent)
         while len(self._keys) > self._max_blocks:
-            self._keys.popitem(last=False)
+            self._holders.pop(self._keys.popitem(last=False)[1], None)
         return keys
 
     def since(self, seq: int, salt: str | None) -> KvResidencyDelta:

@@ -184,18 +184,22 @@ class Router:
 
     def _pick_resident(self, session_id: str, prompt_ids: np.ndarray) -> str | None:
         """The engine whose held prefix of the prompt, in tokens, less the load penalty,
-        is largest (ties: the session's engine, then the less loaded); None when no engine
-        holds a block of it."""
+        is largest (ties: the session's engine, then the less loaded), among the engines
+        within `max_imbalance` of the least loaded (the bound sticky routing keeps: a cache
+        is no reason to pile requests onto one engine); None when none of them holds a
+        block of it."""
         view = self._view
         assert view is not None
+        low = min(self.load(n) for n in self._engines)
+        bound = self._max_imbalance
+        eligible = [n for n in self._engines if bound is None or self.load(n) - low <= bound]
         held = {n: view.held_blocks(n, self._prompt_keys(session_id, prompt_ids, n)) * view.block_size(n)
-                for n in self._engines if view.knows(n)}
+                for n in eligible if view.knows(n)}
         if not held or max(held.values()) == 0:
             return None
-        low = min(self.load(n) for n in self._engines)
         current = self._sessions.get(session_id)
-        best = max(self._engines, key=lambda n: (held.get(n, 0) - self._penalty * (self.load(n) - low),
-                                                 n == current, -self.load(n)))
+        best = max(eligible, key=lambda n: (held.get(n, 0) - self._penalty * (self.load(n) - low),
+                                            n == current, -self.load(n)))
         if current is not None and best != current:
             self._num_residency_moves += 1
         self._num_routed += 1

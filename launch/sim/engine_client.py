@@ -84,6 +84,8 @@ class SimKvEvents:
     content last sent for it. Entries share keys (siblings their task prompt's): a key is
     stored when its first entry gets it and removed when its last loses it. Events of an
     older salt are dropped: a router's view forgets that salt's blocks when the salt changes.
+    An entry in the pool and in the tier holds the longer of its two prefixes: the engine
+    serves both, and vLLM publishes both, each under its medium.
     """
 
     def __init__(self, block_tokens: int, token_unit: int, max_batches: int = 4096) -> None:
@@ -96,6 +98,7 @@ class SimKvEvents:
         self._sessions: dict[str, tuple[int, np.ndarray, list[int], int]] = {}
         self._tasks: dict[str, list[int]] = {}
         self._held: dict[tuple[str, str, int], int] = {}  # entry -> keys published
+        self._media: dict[tuple[str, str, int], dict[str, int]] = {}  # entry -> medium -> blocks
         # key -> entries holding it: siblings hold their shared prompt's keys, and a key is
         # removed only when the last of them loses it (vLLM shares one block among them)
         self._refs: dict[int, int] = {}
@@ -111,6 +114,7 @@ class SimKvEvents:
         self._salt += 1
         self._refs.clear()  # the older salt's keys: forgotten by every view at the change
         self._held.clear()
+        self._media.clear()
 
     def sent(self, request: SimRequest, prompt_ids: np.ndarray | list[int], output_ids: np.ndarray) -> None:
         """Remember what a request's session (and task) will hold once it finishes: its
@@ -141,36 +145,53 @@ class SimKvEvents:
         removed: list[int] = []
         cleared = False
         for event in events:
-            if event.key is None:
+            if event.key is None and all(set(m) <= {event.medium} for m in self._media.values()):
                 cleared, stored, removed = True, [], []
                 self._held.clear()
                 self._refs.clear()
-                continue
-            kind, name, salt = event.key
-            keys = self._entry_keys(kind, name, event.blocks) if salt == self._salt else None
-            if keys is None:
-                continue
-            before = self._held.get(event.key, 0)
-            # The entry's keys, in order; it grows or loses its tail.
-            held_now = len(keys[1])
-            for key in keys[1][before:]:
-                self._refs[key] = self._refs.get(key, 0) + 1
-                if self._refs[key] == 1:
-                    stored.append(key)
-            for key in keys[0][held_now:before]:
-                left = self._refs.pop(key, 1) - 1
-                if left:
-                    self._refs[key] = left
-                else:
-                    removed.append(key)
-            if held_now:
-                self._held[event.key] = held_now
+                self._media.clear()
+            elif event.key is None:  # another medium keeps some entries: one by one
+                for entry in list(self._media):
+                    self._publish_entry(entry, event.medium, 0, stored, removed)
             else:
-                self._held.pop(event.key, None)
-            if held_now == 0 and kind == "traj" and name not in self._pending:
-                self._sessions.pop(name, None)  # gone from the cache, and nothing on the way
+                self._publish_entry(event.key, event.medium, event.blocks, stored, removed)
         if stored or removed or cleared:
             self._log.add_keys(stored, removed, cleared)
+
+    def _publish_entry(self, entry: tuple[str, str, int], medium: str, blocks: int,
+                       stored: list[int], removed: list[int]) -> None:
+        """The entry holds its first `blocks` model blocks in `medium` now: add the keys
+        that stores or removes to the batch's lists."""
+        media = self._media.setdefault(entry, {})
+        if blocks:
+            media[medium] = blocks
+        else:
+            media.pop(medium, None)
+        if not media:
+            del self._media[entry]
+        kind, name, salt = entry
+        keys = self._entry_keys(kind, name, max(media.values(), default=0)) if salt == self._salt else None
+        if keys is None:
+            return
+        before = self._held.get(entry, 0)
+        # The entry's keys, in order; it grows or loses its tail.
+        held_now = len(keys[1])
+        for key in keys[1][before:]:
+            self._refs[key] = self._refs.get(key, 0) + 1
+            if self._refs[key] == 1:
+                stored.append(key)
+        for key in keys[0][held_now:before]:
+            left = self._refs.pop(key, 1) - 1
+            if left:
+                self._refs[key] = left
+            else:
+                removed.append(key)
+        if held_now:
+            self._held[entry] = held_now
+        else:
+            self._held.pop(entry, None)
+        if held_now == 0 and kind == "traj" and name not in self._pending:
+            self._sessions.pop(name, None)  # gone from the cache, and nothing on the way
 
     def _entry_keys(self, kind: str, name: str, blocks: int) -> tuple[list[int], list[int]] | None:
         """(all the entry's keys, those its first `blocks` model blocks cover whole)."""

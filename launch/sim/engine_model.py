@@ -19,11 +19,15 @@ older ones are never hit again and age out in LRU order. Under reuse they keep h
 An offload tier (`tier_bytes`: rollout.kv_offload, a host-memory tier of vLLM's offload
 connectors) holds, write-through and LRU, the full blocks of every finished request: a
 prefix the pool evicted but the tier holds is loaded at `tier_bytes_per_s` instead of
-being prefilled (counted as hits, and as tier hits).
+being prefilled (counted as hits, and as tier hits). Loads run as vLLM's connectors run
+them, asynchronously: the request waits for its load on the engine's one transfer channel
+(loads queue there, in order) while the engine prefills and decodes the others, and it is
+prefilled once its load is in. So a load costs its request latency, not engine time.
 
 With `record_blocks`, the model also lists what happens to its cached entries
 (`take_block_events`): an entry cached with n blocks, an entry cut to n blocks by
-eviction (its tail first), every entry cleared. `SimEngine` turns them into the KV events
+eviction (its tail first), every entry cleared; in the pool, and in the tier (its own
+medium, as vLLM's connectors publish the tier's blocks). `SimEngine` turns them into the KV events
 a residency router reads, as vLLM's `kv_events_config` publishes them.
 
 Simplifications, and why they are small at the seed's scale:
@@ -48,6 +52,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from launch.plan import Plan, compute_prefill_s
+from rollout.kv_residency import POOL_MEDIUM
+
+TIER_MEDIUM = "CPU"  # the medium vLLM's host-memory tier publishes its blocks under
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,16 +146,18 @@ class EngineModelStats:
     kv_total_blocks: int
     evicted_blocks: int
     tier_hits: int = 0  # of prefix_cache_hits, tokens loaded from the offload tier
-    tier_load_s: float = 0.0
+    tier_load_s: float = 0.0  # the transfer channel's busy time: not engine time
 
 
 @dataclass(frozen=True, slots=True)
 class BlockEvent:
-    """A cached entry's new size: `key` ("task" or "traj", the task or the trajectory,
-    the salt) holds its first `blocks` blocks now (0: gone). `key` None: all cleared."""
+    """A cached entry's new size in `medium` (the pool, or the tier): `key` ("task" or
+    "traj", the task or the trajectory, the salt) holds its first `blocks` blocks there
+    now (0: gone). `key` None: all of the medium's cleared."""
 
     key: tuple[str, str, int] | None
     blocks: int
+    medium: str = POOL_MEDIUM
 
 
 @dataclass(slots=True)
@@ -161,7 +170,6 @@ class _Seq:
     shared_blocks: int
     first_token_s: float = 0.0
     kv_base: int = 0  # KV tokens at global step k are kv_base + k while it runs
-    load_s: float = 0.0  # loading its tier hits, before its prefill
     salt: int = 0  # the salt its blocks are cached under
 
 
@@ -175,8 +183,11 @@ class EngineModel:
         self._clock = 0.0
         self._step = 0  # decode steps done so far
         self._waiting: deque[tuple[SimRequest, float]] = deque()
-        self._prefill_queue: deque[_Seq] = deque()
-        self._prefill_end: float | None = None  # the head of the queue is being prefilled
+        # Admitted requests waiting for their prefill, by the time they are ready.
+        self._ready: list[tuple[float, int, _Seq]] = []
+        self._prefilling: _Seq | None = None
+        self._prefill_end: float | None = None
+        self._load_free_s = 0.0  # when the transfer channel from the tier is free
         self._running: list[tuple[int, int, _Seq]] = []  # heap of (done step, tiebreak, seq)
         self._kv_sum_base = 0  # running KV tokens at step k: _kv_sum_base + len(running) x k
         self._tiebreak = itertools.count()
@@ -221,6 +232,8 @@ class EngineModel:
             return self._prefill_end
         if self._running:
             return self._clock + self._steps_s(self._steps_to_next_event())
+        if self._ready:  # idle until a load lands
+            return self._ready[0][0]
         return None
 
     def new_salt(self) -> None:
@@ -244,13 +257,14 @@ class EngineModel:
         events, self._block_events = self._block_events, []
         return events
 
-    def _note_blocks(self, key: tuple[str, str, int] | None, blocks: int) -> None:
+    def _note_blocks(self, key: tuple[str, str, int] | None, blocks: int,
+                     medium: str = POOL_MEDIUM) -> None:
         if self._block_events is not None:
-            self._block_events.append(BlockEvent(key, blocks))
+            self._block_events.append(BlockEvent(key, blocks, medium))
 
     def stats(self) -> EngineModelStats:
         return EngineModelStats(
-            num_running=len(self._running) + len(self._prefill_queue),
+            num_running=len(self._running) + len(self._ready) + (self._prefilling is not None),
             num_waiting=len(self._waiting), prefix_cache_queries=self._queries,
             prefix_cache_hits=self._hits, prefill_tokens=self._prefill_tokens,
             generated_tokens=self._generated, prefill_busy_s=self._prefill_busy_s,
@@ -269,11 +283,14 @@ class EngineModel:
                 self._clock = self._prefill_end
                 self._finish_prefill()
                 continue
-            head = self._prefill_queue[0] if self._prefill_queue else None
-            if head is not None and (not self._running or head.admitted_s <= self._clock):
-                self._start_prefill(head)
+            ready = self._ready[0][0] if self._ready else None
+            if ready is not None and ready <= self._clock:
+                self._start_prefill()
                 continue
             if not self._running:
+                if ready is not None and ready <= now:  # idle until its load landed
+                    self._clock = ready
+                    continue
                 self._clock = max(self._clock, now)
                 return
             m = self._steps_to_next_event()
@@ -286,8 +303,8 @@ class EngineModel:
         """Decode steps to the next completion, or to the first step boundary at or after
         a queued admission (prefill waits for the step in progress)."""
         m = self._running[0][0] - self._step
-        if self._prefill_queue:  # the steps that end before it, then the one in progress
-            m = min(m, max(1, self._steps_fitting(self._prefill_queue[0].admitted_s - self._clock)))
+        if self._ready:  # the steps that end before it, then the one in progress
+            m = min(m, max(1, self._steps_fitting(self._ready[0][0] - self._clock)))
         return m
 
     def _steps_s(self, m: int) -> float:
@@ -326,17 +343,19 @@ class EngineModel:
             self._finish(heapq.heappop(self._running)[2])
         self._admit_waiting()
 
-    def _start_prefill(self, seq: _Seq) -> None:
-        start = max(self._clock, seq.admitted_s)
+    def _start_prefill(self) -> None:
+        seq = heapq.heappop(self._ready)[2]
         tokens = seq.request.context_tokens - seq.cached_tokens
         self._prefill_tokens += tokens
-        seconds = self.spec.prefill_s(tokens) + seq.load_s
+        seconds = self.spec.prefill_s(tokens)
         self._prefill_busy_s += seconds
-        self._clock = start
-        self._prefill_end = start + seconds
+        self._prefilling = seq
+        self._prefill_end = self._clock + seconds
 
     def _finish_prefill(self) -> None:
-        seq = self._prefill_queue.popleft()
+        seq = self._prefilling
+        assert seq is not None
+        self._prefilling = None
         self._prefill_end = None
         seq.first_token_s = self._clock
         self._generated += 1  # the prefill step samples the first token
@@ -367,7 +386,7 @@ class EngineModel:
             self._waiting.popleft()  # FIFO: a request that does not fit holds the others
 
     def _try_admit(self, r: SimRequest, submitted_s: float) -> bool:
-        if len(self._running) + len(self._prefill_queue) >= self.spec.max_num_seqs:
+        if len(self._running) + len(self._ready) + (self._prefilling is not None) >= self.spec.max_num_seqs:
             return False
         bs = self.spec.block_tokens
         total = math.ceil((r.context_tokens + r.new_tokens) / bs)
@@ -415,11 +434,14 @@ class EngineModel:
         self._queries += r.context_tokens
         self._hits += cached_tokens
         self._tier_hits += loaded * bs
-        load_s = self.spec.tier_load_s(loaded)
-        self._tier_load_s += load_s
-        self._prefill_queue.append(_Seq(r, submitted_s, max(self._clock, submitted_s),
-                                        cached_tokens, total - shared, shared, load_s=load_s,
-                                        salt=salt))
+        admitted_s = max(self._clock, submitted_s)
+        ready_s = admitted_s
+        if loaded:
+            load_s = self.spec.tier_load_s(loaded)
+            self._tier_load_s += load_s
+            ready_s = self._load_free_s = max(admitted_s, self._load_free_s) + load_s
+        seq = _Seq(r, submitted_s, admitted_s, cached_tokens, total - shared, shared, salt=salt)
+        heapq.heappush(self._ready, (ready_s, next(self._tiebreak), seq))
         return True
 
     def _take_from_cache(self, key: tuple[str, str, int]) -> None:
@@ -464,6 +486,7 @@ class EngineModel:
             blocks = min(blocks, self.spec.num_tier_blocks)
             self._tier_total += blocks - self._tier.pop(key, 0)
             self._tier[key] = blocks
+            self._note_blocks(key, blocks, TIER_MEDIUM)
             while self._tier_total > self.spec.num_tier_blocks:
                 old, count = next(iter(self._tier.items()))
                 take = min(count, self._tier_total - self.spec.num_tier_blocks)
@@ -472,6 +495,7 @@ class EngineModel:
                 else:
                     self._tier[old] = count - take
                 self._tier_total -= take
+                self._note_blocks(old, count - take, TIER_MEDIUM)
 
 
 def build_engine_spec(plan: Plan, block_tokens: int = 16, max_num_seqs: int = 256) -> EngineSpec:

@@ -26,6 +26,11 @@ def test_each_tier_is_vllms_own_connector_on_the_engine_args(tiny_model_path, tm
     cpu = engine_config(tiny_model_path, kv_offload_tier="cpu", kv_offload_bytes=2 << 30)
     assert (cpu.kv_connector, cpu.kv_role) == ("OffloadingConnector", "kv_both")
     assert cpu.kv_connector_extra_config["cpu_bytes_to_use"] == 2 << 30
+    assert "self_describing_kv_events" not in cpu.kv_connector_extra_config
+    # residency routing reads the tier's events: they must carry their blocks' token ids
+    routed = engine_config(tiny_model_path, kv_offload_tier="cpu", kv_offload_bytes=2 << 30, kv_events=True)
+    assert routed.kv_connector == "OffloadingConnector"
+    assert routed.kv_connector_extra_config == {"self_describing_kv_events": True, "cpu_bytes_to_use": 2 << 30}
     disk = engine_config(tiny_model_path, kv_offload_tier="disk", kv_offload_bytes=1 << 30,
                          kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=50 << 30)
     assert disk.kv_connector == "SimpleCPUOffloadConnector"

@@ -75,6 +75,38 @@ def test_a_delta_is_the_net_effect_of_its_batches_in_order():
     assert log.since(3, None).removed == (a,)
 
 
+def test_a_key_is_held_while_the_pool_or_the_tier_holds_it():
+    """An engine with an offload tier publishes the tier's stores and removals under their
+    medium, with the pool's block hashes (vLLM's self_describing_kv_events) but no cache
+    salt; a block evicted from the pool is still held where the tier has it, a tier
+    announces a block once per chunk (so removals count), a pool reset leaves the tier's
+    blocks, and a tier event without token ids (no self-describing events) is skipped."""
+    log = KvEventLog()
+    ids = list(range(300, 312))
+    a, b, c = block_keys(ids, BS, "v3")
+    log.add_batch([stored(None, [1, 2, 3], ids, "v3")])
+    # the tier's copy of blocks 1-2, twice (two chunks overlapping), and of block 3
+    tier = ("stored", None, [1, 2], ids[:8], BS, None, "CPU")
+    log.add_batch([tier, tier, ("stored", 2, [3], ids[8:], BS, None, "CPU")])
+    assert log.since(1, None).stored == ()  # held already, and keyed with the pool's salt
+    log.add_batch([("removed", [1, 2, 3], "GPU")])  # the pool evicts them all
+    assert log.since(1, None).removed == ()
+    log.add_batch([("removed", [3], "CPU")])
+    assert log.since(1, None).removed == (c,)
+    log.add_batch([("removed", [1, 2], "CPU")])  # one of the two chunks' copies
+    assert log.since(1, None).removed == (c,)
+    log.add_batch([("stored", None, [9], [], 0, None, "CPU")])  # a placeholder: no token ids
+    assert log.num_undescribed == 1 and log.since(1, None).stored == ()
+    log.add_batch([stored(None, [5], [7] * BS)])  # in the pool only
+    log.add_batch([("cleared",)])  # a pool reset: the tier still has a and b
+    delta = log.since(5, None)
+    assert not delta.cleared and delta.removed == tuple(block_keys([7] * BS, BS, None))
+    log.add_batch([("removed", [1, 2], "CPU")])
+    assert set(log.since(1, None).removed) == {a, b, c, *delta.removed}
+    log.add_batch([("cleared",)])  # nothing of a tier left: a plain clear
+    assert log.since(8, None).cleared
+
+
 def test_the_log_says_when_a_reader_missed_batches():
     log = KvEventLog(max_batches=2)
     for i in range(4):
@@ -138,6 +170,22 @@ async def test_a_turn_goes_where_its_prefix_is_held_unless_the_load_there_outwei
     assert await routed(router, "s1", prompt + [1, 2, 3]) == "a"
     stats = router.stats()
     assert stats.num_routed == 2 and stats.view_held_tokens == 16 and stats.num_residency_moves == 1
+
+
+async def test_no_cache_outweighs_the_imbalance_bound():
+    """Without a load penalty a turn follows its prefix, but never onto an engine running
+    max_imbalance requests more than the least loaded one (the bound sticky routing keeps)."""
+    a, b = FakeEngine(), FakeEngine()
+    router = Router({"a": a, "b": b}, load_poll_s=60, max_imbalance=8, residency=ResidencyView(),
+                    load_penalty_tokens=0)
+    prompt = list(range(100, 116))
+    b.delta = KvResidencyDelta(1, BS, None, tuple(block_keys(prompt, BS, None)), (), False, False)
+    b.load = 8
+    await router.refresh_load()
+    assert await routed(router, "s1", prompt + [1]) == "b"  # at the bound: still the cache
+    b.load = 9
+    await router.refresh_load()
+    assert await routed(router, "s1", prompt + [1, 2]) == "a"  # past it
 
 
 async def test_a_groups_samples_follow_their_shared_prompt_before_any_event():

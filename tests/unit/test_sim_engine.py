@@ -251,3 +251,26 @@ def test_the_tier_serves_what_the_pool_evicted_at_its_bandwidth():
     load_s = 256 * 1000 / 1e10
     assert tiered.stats().tier_load_s == pytest.approx(load_s)
     assert loaded.first_token_s - loaded.admitted_s == pytest.approx(SPEC.prefill_s(300 - 256) + load_s)
+
+
+def test_a_tier_load_waits_on_the_transfer_channel_while_the_engine_runs_others():
+    """As vLLM's connectors load (asynchronously): a loading request waits for its load,
+    a request behind it that loads nothing is prefilled meanwhile, two loads queue on the
+    one channel, and the engine's busy time has no load in it."""
+    spec = EngineSpec(**{**{f: getattr(SPEC, f) for f in SPEC.__slots__}, "kv_pool_bytes": 16 * 1000 * 48,
+                         "tier_bytes": 16 * 1000 * 200, "tier_bytes_per_s": 1e6})  # 256 tokens: 0.256 s
+    e = EngineModel(spec)
+    for i, sid in enumerate(("a", "b", "c")):  # a and b leave 16 blocks each; c evicts both
+        e.submit(float(i), _req(f"{sid}1", 256 if sid != "c" else 767, 1, session=sid))
+        _run_out(e)
+    e.submit(3.0, _req("a2", 300, 1, session="a"))
+    e.submit(3.0, _req("b2", 300, 1, session="b"))
+    e.submit(3.0, _req("fresh", 50, 1))
+    done = {c.request_id: c for c in _run_out(e)}
+    load_s = 256 * 1000 / 1e6
+    assert done["fresh"].first_token_s == pytest.approx(3.0 + SPEC.prefill_s(50))
+    assert done["a2"].first_token_s == pytest.approx(3.0 + load_s + SPEC.prefill_s(44))
+    assert done["b2"].first_token_s == pytest.approx(3.0 + 2 * load_s + SPEC.prefill_s(44))
+    s = e.stats()
+    assert s.tier_hits == 512 and s.tier_load_s == pytest.approx(2 * load_s)
+    assert s.prefill_busy_s == pytest.approx(SPEC.prefill_s(256 * 2 + 767 + 50 + 2 * 44))

@@ -85,6 +85,26 @@ def test_eviction_removes_the_tail_first_and_a_new_salt_forgets_the_rest():
     asyncio.run(main())
 
 
+def test_blocks_the_pool_evicted_stay_held_where_the_tier_has_them():
+    """With an offload tier the engine publishes the tier's blocks too: what the pool
+    evicts is still held (the tier serves it), until the tier evicts it as well."""
+    async def main() -> None:
+        tiered = EngineSpec(**{**{f: getattr(SPEC, f) for f in SPEC.__slots__},
+                               "tier_bytes": 80 * 16 * 1000})  # 80 blocks
+        world = SimWorld(1)
+        engine = SimEngine(EngineModel(tiered, record_blocks=True), world, kv_events=True)
+        first = await _call(engine, world, "a0", "a", content_ids("a", 480), 32)  # 32 blocks
+        await _call(engine, world, "b0", "b", content_ids("b", 752), 16)  # evicts 16 of a's
+        view = ResidencyView()
+        view.apply("e", await engine.kv_residency(0))
+        assert _held(view, first, 16, "sim-v0") == 32  # the tier has all of a
+        await _call(engine, world, "c0", "c", content_ids("c", 752), 16)  # the tier evicts a
+        view.apply("e", await engine.kv_residency(view.seq("e")))
+        assert _held(view, first, 16, "sim-v0") == 0
+
+    asyncio.run(main())
+
+
 def test_with_ids_of_many_tokens_a_key_covers_several_blocks():
     async def main() -> None:
         engine, world = _engine(token_unit=100)  # one id stands for 100 tokens: 6.25 blocks
