@@ -27,8 +27,8 @@ prefilled once its load is in. So a load costs its request latency, not engine t
 With `record_blocks`, the model also lists what happens to its cached entries
 (`take_block_events`): an entry cached with n blocks, an entry cut to n blocks by
 eviction (its tail first), every entry cleared; in the pool, and in the tier (its own
-medium, as vLLM's connectors publish the tier's blocks). `SimEngine` turns them into the KV events
-a residency router reads, as vLLM's `kv_events_config` publishes them.
+medium, as vLLM's connectors publish the tier's blocks). `SimEngine` turns them into the
+KV events a residency router reads, as vLLM's `kv_events_config` publishes them.
 
 Simplifications, and why they are small at the seed's scale:
 - prefill runs ahead of decode, one request at a time, with decode paused (vLLM mixes
