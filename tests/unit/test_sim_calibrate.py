@@ -47,3 +47,14 @@ def test_sandbox_waits_by_hand():
     assert r.wall_s == pytest.approx(1.66 + 0.82)
     off = SandboxResult((0.0, 3.0), 1.5, 3.0, 4.0)  # waits 80% longer than the model's
     assert waits_agree(r, r) and not waits_agree(off, r)
+
+
+def test_measured_holds_are_replayed_caller_by_caller():
+    """Uneven holds (a loaded machine's slow commands) move the waits as they moved the
+    real pool's: each slot passes to the next caller in asking order when it frees."""
+    exp = SandboxExperiment(num_sandboxes=2, num_callers=4)
+    costs = SandboxCosts(create_s=0.0, exec_s=9.9, teardown_s=0.0, holds_s=(1.0, 3.0, 2.0, 2.0))
+    r = run_model_sandboxes(exp, costs)
+    # caller 2 takes caller 0's slot at 1 s, caller 3 the first freed after: caller 1's, at 3 s
+    assert r.waits_s == pytest.approx((0, 0, 1.0, 3.0))
+    assert r.wall_s == pytest.approx(5.0)
